@@ -1,0 +1,20 @@
+"""raytrainer: elastic, fault-tolerant, data-parallel PyTorch training on Ray."""
+
+from .api import Result, train
+from .config import Config, load_config
+from .errors import ConfigError, PlacementError, RaytrainerError, TaskError, WorkerError
+from .task import Task
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "PlacementError",
+    "RaytrainerError",
+    "Result",
+    "Task",
+    "TaskError",
+    "WorkerError",
+    "load_config",
+    "train",
+]
+__version__ = "0.1.0"

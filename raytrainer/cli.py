@@ -1,0 +1,45 @@
+"""Command line: `raytrainer train CONFIG [--set section.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import ConfigError, RaytrainerError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrainer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train the task a YAML config describes")
+    train.add_argument("config", help="path to a YAML config, e.g. configs/digits.yaml")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set trainer.max_epochs=3 (repeatable)")
+    train.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    train.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .api import train
+
+    try:
+        result = train(args.config, args.overrides, address=args.address, progress=not args.no_progress)
+    except ConfigError as exc:
+        print(f"raytrainer: config error: {exc}", file=sys.stderr)
+        return 2
+    except RaytrainerError as exc:
+        print(f"raytrainer: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("raytrainer: interrupted; workers stopped", file=sys.stderr)
+        return 130
+    shown = {k: v for k, v in result.metrics.items() if k not in ("time",)}
+    print(f"finished: {result.run_dir}")
+    print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

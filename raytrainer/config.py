@@ -1,0 +1,262 @@
+"""Typed run configuration: YAML in, validated dataclasses out.
+
+Each section is a small kw_only dataclass that checks its own values in
+__post_init__; `Config.validate` checks what spans sections. Unknown keys and
+wrong types are errors that name the key and what is allowed, because a typo
+in a config silently ignored costs a whole training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    target: str
+    """Import path of the task class, `package.module:ClassName`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the task class is constructed with, on every worker."""
+
+    def __post_init__(self):
+        module, sep, name = self.target.partition(":")
+        if not (module and sep and name):
+            raise ConfigError(
+                f"task.target={self.target!r} is not an import path; "
+                "write it as 'package.module:ClassName', e.g. 'examples.digits:DigitsTask'"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    """Optimizer steps. With max_epochs too, training stops at whichever comes first."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all workers; fixes the maths whatever the worker count."""
+    micro_batch_size: int | None = None
+    """Samples per forward pass on one worker; None means global_batch_size / num_workers
+    (no accumulation). Otherwise steps accumulate global / (workers * micro) micro-batches."""
+    seed: int = 0
+    val_every_n_steps: int | None = None
+    """Validate every N optimizer steps (besides at every epoch end); None: epoch ends only."""
+    log_every_n_steps: int = 1
+    """How often ranks reduce their buffered per-step metrics and ship them to the driver.
+    Every step still gets its own row; larger values mean fewer collectives."""
+
+    def __post_init__(self):
+        if self.max_epochs is None and self.max_steps is None:
+            raise ConfigError("set trainer.max_epochs or trainer.max_steps (or both)")
+        for key in ("max_epochs", "max_steps", "global_batch_size", "micro_batch_size",
+                    "val_every_n_steps", "log_every_n_steps"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"trainer.{key}={value} must be a positive integer")
+
+
+@dataclass(kw_only=True)
+class ScalingConfig:
+    num_workers: int = 1
+    use_gpu: Literal["auto"] | bool = "auto"
+    """auto: one GPU per worker when the cluster has GPUs, otherwise CPU."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources per worker, e.g. {CPU: 2, GPU: 1}; default {CPU: 1} (+ {GPU: 1} on GPUs)."""
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    placement_timeout_s: float = 60.0
+    """How long to wait for the cluster to place all workers before failing."""
+
+    def __post_init__(self):
+        if self.num_workers < 1:
+            raise ConfigError(f"scaling.num_workers={self.num_workers} must be >= 1")
+        if self.placement_timeout_s <= 0:
+            raise ConfigError("scaling.placement_timeout_s must be > 0")
+        for name, amount in (self.resources_per_worker or {}).items():
+            if amount < 0:
+                raise ConfigError(f"scaling.resources_per_worker.{name}={amount} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str | None = None
+    """Run directory name under storage; default: run-<UTC timestamp>."""
+    storage: str = "runs"
+    """Where run directories live: a local path or a file:// URI."""
+
+    def __post_init__(self):
+        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
+            raise ConfigError(f"run.name={self.name!r} must be a plain directory name")
+        if "://" in self.storage and not self.storage.startswith("file://"):
+            raise ConfigError(
+                f"run.storage={self.storage!r}: only local paths and file:// URIs are supported"
+            )
+
+
+@dataclass(kw_only=True)
+class Config:
+    task: TaskConfig
+    trainer: TrainerConfig
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        t, workers = self.trainer, self.scaling.num_workers
+        micro = t.micro_batch_size
+        if micro is None:
+            if t.global_batch_size % workers:
+                raise ConfigError(
+                    f"trainer.global_batch_size={t.global_batch_size} does not split evenly over "
+                    f"scaling.num_workers={workers}; make it a multiple of {workers} "
+                    "or set trainer.micro_batch_size so that workers * micro_batch_size divides it"
+                )
+        elif t.global_batch_size % (workers * micro):
+            raise ConfigError(
+                f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"scaling.num_workers * trainer.micro_batch_size = {workers} * {micro}; "
+                "change one of the three so it is"
+            )
+
+    @property
+    def run_name(self) -> str:
+        return self.run.name or "run-" + datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y%m%d-%H%M%S"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is dict:
+        return "mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` checked (and int->float widened) against annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _check(value, arm, key)
+            except ConfigError:
+                pass
+    elif origin is Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+    elif origin is dict:
+        if isinstance(value, dict):
+            _, value_tp = typing.get_args(tp)
+            return {str(k): _check(v, value_tp, f"{key}.{k}") for k, v in value.items()}
+    elif tp is Any:
+        return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}={value!r} has the wrong type or value; allowed: {_type_name(tp)}")
+
+
+def _build(cls: type, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"section '{prefix}'" if prefix else "the top level"
+        raise ConfigError(
+            f"unknown key {', '.join(repr(_join(prefix, k)) for k in unknown)} in {where}; "
+            f"allowed keys: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(prefix, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing required key '{key}'")
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name] if data[name] is not None else {}, key)
+        else:
+            kwargs[name] = _check(data[name], tp, key)
+    return cls(**kwargs)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings (values parsed as YAML) to a raw config dict."""
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        if not sep or not path.strip():
+            raise ConfigError(f"--set {item!r}: write overrides as section.key=value")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
+        node = raw
+        parts = path.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(source: str | Path | dict[str, Any], overrides: typing.Iterable[str] = ()) -> Config:
+    """Build a validated Config from a YAML path or a dict, then apply --set overrides."""
+    if isinstance(source, dict):
+        raw = _deepcopy(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return _build(Config, apply_overrides(raw, overrides), "")
+
+
+def _deepcopy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

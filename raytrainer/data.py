@@ -1,0 +1,111 @@
+"""Deterministic sharding by global sample index.
+
+Every epoch has one seeded permutation of the training set, the same on every
+rank and at every world size. Optimizer step s of an epoch consumes positions
+[s*G, (s+1)*G) of it (G = global batch); rank r takes its contiguous 1/W of
+those and splits them into micro-batches. So which samples form a step depends
+only on the seed, the epoch and the step, never on the worker count: a resume
+or a resize continues at the same global sample index.
+
+Remainder policy: an epoch has len(dataset) // G steps; the last partial
+global batch is dropped. The permutation changes every epoch, so over epochs
+every sample is used. Every rank gets exactly the same number of micro-batches,
+so no rank waits on another in a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    dataset_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    seed: int
+
+    def __post_init__(self):
+        if self.dataset_size < self.global_batch_size:
+            raise ConfigError(
+                f"the training dataset has {self.dataset_size} samples, fewer than one global "
+                f"batch (trainer.global_batch_size={self.global_batch_size}); lower the batch "
+                "size or use more data"
+            )
+        per_rank, rest = divmod(self.global_batch_size, self.world_size)
+        if rest or per_rank % self.micro_batch_size:
+            raise ConfigError(
+                f"trainer.global_batch_size={self.global_batch_size} cannot be split into "
+                f"{self.world_size} workers x micro-batches of {self.micro_batch_size}"
+            )
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.per_rank // self.micro_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.dataset_size // self.global_batch_size
+
+    def order(self, epoch: int) -> torch.Tensor:
+        return _permutation(self.dataset_size, self.seed, epoch)
+
+    def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[torch.Tensor]:
+        """Global sample indices of `rank`'s micro-batches for one optimizer step."""
+        start = step_in_epoch * self.global_batch_size + rank * self.per_rank
+        mine = self.order(epoch)[start : start + self.per_rank]
+        return list(mine.split(self.micro_batch_size))
+
+
+@lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=gen)
+
+
+def val_shard(dataset_size: int, rank: int, world_size: int) -> torch.Tensor:
+    """Every validation sample exactly once across ranks (shards may differ by one)."""
+    return torch.arange(rank, dataset_size, world_size)
+
+
+def fetch(dataset: Dataset, index: torch.Tensor) -> Any:
+    """Collate the samples at `index`; TensorDatasets are sliced in one go."""
+    if isinstance(dataset, TensorDataset):
+        return tuple(t[index] for t in dataset.tensors)
+    getitems = getattr(dataset, "__getitems__", None)
+    items = getitems(index.tolist()) if getitems else [dataset[i] for i in index.tolist()]
+    return default_collate(items)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of samples in a collated batch: the leading dim of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch
+    for value in values:
+        if isinstance(value, (torch.Tensor, dict, list, tuple)):
+            return batch_size_of(value)
+    raise ValueError("cannot tell the batch size: the batch holds no tensor")

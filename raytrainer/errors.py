@@ -1,0 +1,37 @@
+"""One root exception; every message names the setting or the code to change."""
+
+from __future__ import annotations
+
+
+class RaytrainerError(Exception):
+    """Root of every error raytrainer raises on purpose."""
+
+
+class ConfigError(RaytrainerError):
+    """The config (or a --set override) is wrong; the message names the key."""
+
+
+class TaskError(RaytrainerError):
+    """The user's task broke the contract (e.g. train_step returned no 'loss')."""
+
+
+class PlacementError(RaytrainerError):
+    """The cluster cannot place the workers the config asks for."""
+
+
+class WorkerError(RaytrainerError):
+    """User code (or the loop) raised on a worker; carries the rank and its traceback."""
+
+    def __init__(self, rank: int, message: str, traceback: str = "", step: int | None = None):
+        self.rank = rank
+        self.message = message
+        self.traceback = traceback
+        self.step = step
+        where = f"rank {rank}" + (f", step {step}" if step is not None else "")
+        text = f"worker {where} failed: {message}"
+        if traceback:
+            text += f"\n\n--- traceback on {where} ---\n{traceback.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self):  # crosses process boundaries through Ray
+        return (type(self), (self.rank, self.message, self.traceback, self.step))

@@ -1,0 +1,88 @@
+"""One training process: builds the task itself, joins the process group, runs the loop.
+
+A plain class; group.py makes it a Ray actor (with a second thread, so the
+driver can drain metrics while `run` trains).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import traceback
+from typing import Any
+
+from .config import load_config
+from .dist import choose_backend, choose_device, destroy_group, free_port, init_group
+from .errors import RaytrainerError, WorkerError
+from .loop import Loop
+from .task import build_task
+
+
+class Worker:
+    def __init__(self, config: dict[str, Any]):
+        self.config = load_config(config)
+        self.rank: int | None = None
+        self.loop: Loop | None = None
+        self._rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Address for the process group's store; asked of rank 0 only."""
+        return self.node()["ip"], free_port()
+
+    def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool) -> dict[str, int]:
+        self.rank = rank
+        with _as_worker_error(self):
+            device = choose_device(use_gpu)
+            task = build_task(self.config.task.target, self.config.task.args)
+            init_group(rank, world_size, addr, port, choose_backend(self.config.scaling.backend, use_gpu))
+            self.loop = Loop(task, self.config.trainer, rank=rank, world_size=world_size,
+                             device=device, report=self._push)
+            return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
+
+    def run(self):
+        try:
+            with _as_worker_error(self):
+                return self.loop.fit()
+        finally:
+            destroy_group()
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Rows reported since the last drain (rank 0 holds the reduced ones)."""
+        with self._lock:
+            rows, self._rows = self._rows, []
+        return rows
+
+    def _push(self, rows: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._rows.extend(rows)
+
+
+@contextlib.contextmanager
+def _as_worker_error(worker: Worker):
+    """Our own errors pass through (their messages name the fix); anything else
+    becomes a WorkerError carrying the rank, the step and the worker's traceback."""
+    try:
+        yield
+    except RaytrainerError:
+        raise
+    except Exception as exc:
+        loop = worker.loop
+        raise WorkerError(
+            worker.rank if worker.rank is not None else -1,
+            f"{type(exc).__name__}: {exc}",
+            traceback.format_exc(),
+            step=loop.step + 1 if loop else None,
+        ) from None
