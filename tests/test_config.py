@@ -1,0 +1,62 @@
+import pytest
+
+from raytrainer.config import load_config
+from raytrainer.errors import ConfigError
+
+BASE = {
+    "task": {"target": "tests.tasks:RegressionTask", "args": {"lr": 0.1}},
+    "trainer": {"max_epochs": 2, "global_batch_size": 32},
+    "scaling": {"num_workers": 2},
+}
+
+
+def test_defaults_and_types():
+    cfg = load_config(BASE)
+    assert cfg.trainer.max_epochs == 2 and cfg.trainer.micro_batch_size is None
+    assert cfg.scaling.use_gpu == "auto" and cfg.scaling.placement == "PACK"
+    assert cfg.task.args == {"lr": 0.1}
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("task: {target: 'a.b:C'}\ntrainer: {max_steps: 5}\n")
+    cfg = load_config(path, ["trainer.max_steps=7", "scaling.num_workers=4", "task.args.n=3",
+                             "scaling.use_gpu=false", "scaling.placement_timeout_s=2"])
+    assert cfg.trainer.max_steps == 7 and cfg.scaling.num_workers == 4
+    assert cfg.task.args == {"n": 3} and cfg.scaling.use_gpu is False
+    assert cfg.scaling.placement_timeout_s == 2.0  # int widened to float
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["trainer.max_epoch=3"], ["trainer.max_epoch", "allowed keys", "max_epochs"]),
+    (["trainerx.a=1"], ["trainerx", "allowed keys", "trainer"]),
+    (["trainer.global_batch_size=abc"], ["trainer.global_batch_size", "int"]),
+    (["trainer.global_batch_size=true"], ["trainer.global_batch_size", "int"]),
+    (["scaling.placement=RANDOM"], ["scaling.placement", "'PACK'", "'SPREAD'"]),
+    (["scaling.use_gpu=maybe"], ["scaling.use_gpu", "'auto'", "bool"]),
+    (["scaling.backend=mpi"], ["scaling.backend", "'nccl'", "'gloo'"]),
+    (["trainer.global_batch_size=33"], ["global_batch_size=33", "num_workers=2"]),
+    (["trainer.micro_batch_size=5"], ["num_workers * trainer.micro_batch_size"]),
+    (["trainer.max_epochs=null"], ["max_epochs or trainer.max_steps"]),
+    (["trainer.max_steps=0", "trainer.max_epochs=null"], ["trainer.max_steps=0", "positive"]),
+    (["task.target=nocolon"], ["task.target", "package.module:ClassName"]),
+    (["run.storage=s3://bucket/x"], ["run.storage"]),
+    (["noequals"], ["section.key=value"]),
+])
+def test_bad_values_name_the_key(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(BASE, overrides)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_missing_file_and_missing_section(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="missing required key 'trainer'"):
+        load_config({"task": {"target": "a:B"}})
+
+
+def test_overrides_do_not_touch_the_input():
+    load_config(BASE, ["trainer.max_epochs=9"])
+    assert BASE["trainer"]["max_epochs"] == 2

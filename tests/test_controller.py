@@ -1,0 +1,90 @@
+"""The controller against a fake worker group: no cluster, no torch."""
+
+import json
+
+import pytest
+
+from raytrainer.controller import Controller, State
+from raytrainer.errors import WorkerError
+from raytrainer.group import Poll
+from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
+
+
+class FakeGroup:
+    def __init__(self, polls, fail_on_setup=None):
+        self.polls = list(polls)
+        self.fail_on_setup = fail_on_setup
+        self.calls = []
+
+    def start(self, n):
+        self.calls.append(("start", n))
+        return [{"ip": "10.0.0.1"}] * n
+
+    def setup(self):
+        self.calls.append(("setup",))
+        if self.fail_on_setup:
+            raise self.fail_on_setup
+        return {"total_steps": 3}
+
+    def launch(self):
+        self.calls.append(("launch",))
+
+    def poll(self, timeout):
+        item = self.polls.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def rows(*steps):
+    return [{"step": s, "epoch": 0, "world_size": 2, "time": 0.0, "loss": 1.0 / s} for s in steps]
+
+
+def make(tmp_path, group):
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    return Controller(group, 2, hub, events, poll_interval_s=0), hub, events
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_reach_the_sinks_and_the_run_finishes(tmp_path):
+    group = FakeGroup([Poll(rows(1, 2)), Poll([]), Poll(rows(3), done=True, result="weights")])
+    controller, hub, events = make(tmp_path, group)
+    assert controller.run() == "weights"
+    hub.close(), events.close()
+    assert controller.state is State.FINISHED
+    assert [r["step"] for r in read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    log = read(tmp_path / "events.jsonl")
+    assert [e["event"] for e in log] == ["run_started", "group_formed", "finished"]
+    assert log[1]["world_size"] == 2 and log[1]["total_steps"] == 3 and log[-1]["step"] == 3
+    assert group.calls == [("start", 2), ("setup",), ("launch",), ("shutdown",)]
+
+
+def test_a_worker_failure_fails_the_run_logs_it_and_shuts_down(tmp_path):
+    error = WorkerError(1, "ValueError: boom", "Traceback ...", step=2)
+    group = FakeGroup([Poll(rows(1)), error])
+    controller, hub, events = make(tmp_path, group)
+    with pytest.raises(WorkerError, match="rank 1, step 2"):
+        controller.run()
+    events.close()
+    assert controller.state is State.FAILED
+    failed = read(tmp_path / "events.jsonl")[-1]
+    assert failed["event"] == "failed" and failed["rank"] == 1 and failed["step"] == 1
+    assert "boom" in failed["cause"]
+    assert group.calls[-1] == ("shutdown",)
+
+
+def test_a_setup_failure_still_shuts_down(tmp_path):
+    group = FakeGroup([], fail_on_setup=KeyboardInterrupt())
+    controller, _, events = make(tmp_path, group)
+    with pytest.raises(KeyboardInterrupt):
+        controller.run()
+    events.close()
+    assert group.calls[-1] == ("shutdown",)
+    assert read(tmp_path / "events.jsonl")[-1]["cause"] == "interrupted"

@@ -1,0 +1,67 @@
+"""The loop on one rank, in-process: no Ray, no process group."""
+
+import pytest
+import torch
+
+from raytrainer.config import TrainerConfig
+from raytrainer.errors import TaskError
+from raytrainer.loop import Loop
+
+from .tasks import RegressionTask
+
+
+def make_loop(task=None, rows=None, **trainer):
+    trainer.setdefault("max_steps", 4)
+    cfg = TrainerConfig(global_batch_size=32, **trainer)
+    sink = rows if rows is not None else []
+    return Loop(task or RegressionTask(), cfg, rank=0, world_size=1, device=torch.device("cpu"),
+                report=sink.extend)
+
+
+def test_one_row_per_step_then_validation():
+    rows = []
+    loop = make_loop(rows=rows, max_steps=5, log_every_n_steps=2)
+    loop.fit()
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    assert all(r["world_size"] == 1 and r["epoch"] == 0 and r["lr"] == 0.05 for r in train)
+    assert "val_loss" in rows[-1] and rows[-1]["step"] == 5  # the run's last step validates
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_validation_metrics_are_weighted_by_sample_count():
+    rows = []
+    # 10 validation samples in micro-batches of 4: 4 + 4 + 2. The weighted mean of the
+    # sample index is 4.5; a plain mean of the three batch means would be 5.17.
+    loop = make_loop(RegressionTask(val_samples=10), rows, micro_batch_size=4, max_steps=1)
+    loop.fit()
+    assert rows[-1]["val_index"] == pytest.approx(4.5)
+
+
+def test_accumulation_gives_the_same_weights_as_one_big_batch():
+    full = make_loop(max_steps=6)
+    accumulated = make_loop(max_steps=6, micro_batch_size=4)
+    assert accumulated.plan.accumulation == 8
+    a, b = full.fit(), accumulated.fit()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_epochs_and_max_steps_pick_the_earlier_end():
+    loop = make_loop(max_steps=100, max_epochs=2)  # 256 samples / 32 = 8 steps per epoch
+    assert loop.total_steps == 16
+    rows = []
+    make_loop(rows=rows, max_steps=None, max_epochs=2).fit()
+    val = [r for r in rows if "val_loss" in r]
+    assert [(r["step"], r["epoch"]) for r in val] == [(8, 0), (16, 1)]
+
+
+def test_val_every_n_steps():
+    rows = []
+    make_loop(rows=rows, max_steps=7, val_every_n_steps=3).fit()
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6, 7]
+
+
+def test_train_step_without_loss_is_a_clear_error():
+    with pytest.raises(TaskError, match="must return a dict with 'loss'"):
+        make_loop(RegressionTask(no_loss=True)).fit()
