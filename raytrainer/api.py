@@ -38,7 +38,8 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     elif overrides:
         raise ConfigError("overrides apply to a YAML path or a dict, not to a built Config")
     if config.run.name is None:
-        config.run.name = "run-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stem = config.task.target.partition(":")[0].rsplit(".", 1)[-1]
+        config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(config.run.storage.removeprefix("file://")) / config.run.name
     if (run_dir / "metrics.jsonl").exists():
         raise ConfigError(

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raytrainer: interrupted; workers stopped", file=sys.stderr)
         return 130
-    shown = {k: v for k, v in result.metrics.items() if k not in ("time",)}
-    print(f"finished: {result.run_dir}")
+    m = result.metrics
+    shown = {k: v for k, v in m.items() if k not in ("step", "epoch", "world_size", "time")}
+    print(f"finished {result.run_dir}: step {m.get('step')}, epoch {m.get('epoch', 0) + 1}")
     print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
     return 0
 

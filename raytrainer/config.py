@@ -9,7 +9,6 @@ in a config silently ignored costs a whole training run.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import types
 import typing
 from dataclasses import dataclass, field
@@ -89,7 +88,7 @@ class ScalingConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     name: str | None = None
-    """Run directory name under storage; default: run-<UTC timestamp>."""
+    """Run directory name under storage; default: <task module>-<UTC timestamp>."""
     storage: str = "runs"
     """Where run directories live: a local path or a file:// URI."""
 
@@ -125,12 +124,6 @@ class Config:
                 f"scaling.num_workers * trainer.micro_batch_size = {workers} * {micro}; "
                 "change one of the three so it is"
             )
-
-    @property
-    def run_name(self) -> str:
-        return self.run.name or "run-" + datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y%m%d-%H%M%S"
-        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
