@@ -64,7 +64,6 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
 
 def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: bool) -> Result:
     import ray
-    import torch
 
     from .group import RayWorkerGroup
 
@@ -81,9 +80,9 @@ def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: boo
     group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow)
     controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar)
     try:
-        weights = controller.run()
+        weights = controller.run()  # torch.save bytes: the driver never imports torch
         tmp = run_dir / "model.pt.tmp"
-        torch.save(weights, tmp)
+        tmp.write_bytes(weights)
         os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
     finally:
         hub.close()

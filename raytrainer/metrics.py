@@ -42,18 +42,24 @@ class EventLog(JsonlWriter):
 
 class TensorBoardSink:
     def __init__(self, logdir: Path):
-        from tensorboardX import SummaryWriter  # brought by ray[train]
-
-        self._writer = SummaryWriter(logdir=str(logdir), flush_secs=10)
+        self.logdir = logdir
+        self._writer = None
 
     def write(self, row: dict[str, Any]) -> None:
+        if self._writer is None:
+            # Opened on the first row: tensorboardX imports torch, which would otherwise
+            # delay the workers' start by the second or two that import takes.
+            from tensorboardX import SummaryWriter  # brought by ray[train]
+
+            self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=10)
         step = row["step"]
         for key, value in row.items():
             if key not in ("step", "time") and isinstance(value, (int, float)):
                 self._writer.add_scalar(_tb_name(key), value, step, walltime=row.get("time"))
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _tb_name(key: str) -> str:

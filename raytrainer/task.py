@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, TaskError
+
+if TYPE_CHECKING:  # the driver never needs torch; only workers import it
+    import torch
 
 
 class Task:

@@ -13,17 +13,21 @@ import traceback
 from typing import Any
 
 from .config import load_config
-from .dist import choose_backend, choose_device, destroy_group, free_port, init_group
 from .errors import RaytrainerError, WorkerError
-from .loop import Loop
 from .task import build_task
+
+# torch is imported inside the methods: the driver imports this module to create
+# the actors and should not pay for importing torch before its first step.
 
 
 class Worker:
     def __init__(self, config: dict[str, Any]):
+        # Import torch now, on every actor in parallel, not on the first call.
+        from . import loop  # noqa: F401
+
         self.config = load_config(config)
         self.rank: int | None = None
-        self.loop: Loop | None = None
+        self.loop = None
         self._rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
@@ -40,9 +44,14 @@ class Worker:
 
     def rendezvous(self) -> tuple[str, int]:
         """Address for the process group's store; asked of rank 0 only."""
+        from .dist import free_port
+
         return self.node()["ip"], free_port()
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool) -> dict[str, int]:
+        from .dist import choose_backend, choose_device, init_group
+        from .loop import Loop
+
         self.rank = rank
         with _as_worker_error(self):
             device = choose_device(use_gpu)
@@ -52,12 +61,24 @@ class Worker:
                              device=device, report=self._push)
             return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
 
-    def run(self):
+    def run(self) -> bytes | None:
+        """Train to the end; rank 0 returns the final weights as torch.save bytes."""
+        import io
+
+        import torch
+
+        from .dist import destroy_group
+
         try:
             with _as_worker_error(self):
-                return self.loop.fit()
+                weights = self.loop.fit()
         finally:
             destroy_group()
+        if weights is None:
+            return None
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        return buffer.getvalue()
 
     def drain(self) -> list[dict[str, Any]]:
         """Rows reported since the last drain (rank 0 holds the reduced ones)."""
