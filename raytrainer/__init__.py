@@ -1,11 +1,14 @@
 """raytrainer: elastic, fault-tolerant, data-parallel PyTorch training on Ray."""
 
 from .api import Result, train
+from .callbacks import Callback, RunContext
 from .config import Config, load_config
 from .errors import ConfigError, PlacementError, RaytrainerError, TaskError, WorkerError
 from .task import Task
 
 __all__ = [
+    "Callback",
+    "RunContext",
     "Config",
     "ConfigError",
     "PlacementError",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .callbacks import Callbacks, RunContext
 from .config import Config, dump_config, load_config
 from .controller import Controller
 from .errors import ConfigError
@@ -25,11 +26,12 @@ class Result:
 
 
 def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str] = (), *,
-          address: str | None = None, progress: bool = True) -> Result:
+          address: str | None = None, progress: bool = True, callbacks: Iterable[Any] = ()) -> Result:
     """Train the task a config describes; return its metrics and run directory.
 
     Uses the Ray this process is connected to; otherwise connects to `address`
     (or $RAY_ADDRESS); otherwise starts a local Ray for the run and stops it after.
+    `callbacks` are driver-side Callback objects, added to those the config names.
     """
     import ray
 
@@ -56,13 +58,15 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             ray.init(include_dashboard=False, logging_level="WARNING")
             started_ray = True
     try:
-        return _run(config, run_dir, progress=progress, cluster_can_grow=not started_ray)
+        return _run(config, run_dir, progress=progress, cluster_can_grow=not started_ray,
+                    callbacks=list(callbacks))
     finally:
         if started_ray:
             ray.shutdown()
 
 
-def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: bool) -> Result:
+def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: bool,
+         callbacks: list[Any]) -> Result:
     import ray
 
     from .group import RayWorkerGroup
@@ -78,11 +82,13 @@ def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: boo
     sinks = [JsonlWriter(run_dir / "metrics.jsonl"), TensorBoardSink(run_dir)] + ([bar] if bar else [])
     hub = MetricsHub(sinks)
     group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow)
-    controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar)
+    driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks)
+    controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar,
+                            callbacks=driver_callbacks, context=RunContext(run_dir, config))
     try:
-        weights = controller.run()  # torch.save bytes: the driver never imports torch
+        result = controller.run()
         tmp = run_dir / "model.pt.tmp"
-        tmp.write_bytes(weights)
+        tmp.write_bytes(result["model"])  # torch.save bytes: the driver never imports torch
         os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
     finally:
         hub.close()

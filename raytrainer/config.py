@@ -21,19 +21,59 @@ from .errors import ConfigError
 
 
 @dataclass(kw_only=True)
-class TaskConfig:
+class Component:
+    """A class named by import path and the keyword arguments to build it with."""
+
     target: str
-    """Import path of the task class, `package.module:ClassName`."""
+    """Import path of the class, `package.module:ClassName`."""
     args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments the task class is constructed with, on every worker."""
+    """Keyword arguments the class is constructed with (on every worker, for a task)."""
 
     def __post_init__(self):
         module, sep, name = self.target.partition(":")
         if not (module and sep and name):
             raise ConfigError(
-                f"task.target={self.target!r} is not an import path; "
+                f"target={self.target!r} is not an import path; "
                 "write it as 'package.module:ClassName', e.g. 'examples.digits:DigitsTask'"
             )
+
+
+TaskConfig = Component
+
+
+@dataclass(kw_only=True)
+class LRScheduleConfig:
+    """Linear warmup, then a decay to min_lr_ratio * base LR, in optimizer steps (so it
+    does not depend on the worker count). Multiplies each param group's base LR."""
+
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ConfigError(f"trainer.lr_schedule.warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"trainer.lr_schedule.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class EarlyStoppingConfig:
+    """Stop when a validation metric has not improved for `patience` validations."""
+
+    metric: str = "val_loss"
+    mode: Literal["min", "max"] = "min"
+    patience: int = 3
+    min_delta: float = 0.0
+
+    def __post_init__(self):
+        if not self.metric.startswith("val_"):
+            raise ConfigError(
+                f"trainer.early_stopping.metric={self.metric!r} must be a validation metric, "
+                "named with its 'val_' prefix (e.g. val_loss)"
+            )
+        if self.patience < 1:
+            raise ConfigError(f"trainer.early_stopping.patience={self.patience} must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -52,6 +92,24 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     """How often ranks reduce their buffered per-step metrics and ship them to the driver.
     Every step still gets its own row; larger values mean fewer collectives."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16/fp16 run forward passes under autocast; fp16 adds a gradient scaler and skips
+    (and counts, as 'skipped_steps') optimizer steps whose gradients overflow."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient norm once per optimizer step; the pre-clip norm is logged."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights; validate and export it."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch)."""
+    lr_schedule: LRScheduleConfig | None = None
+    early_stopping: EarlyStoppingConfig | None = None
+    peak_flops_per_worker: float | None = None
+    """Peak FLOP/s of one worker's device, for model FLOPs utilisation ('mfu') when the
+    task declares flops_per_sample. Default: known GPUs' bf16/fp16 dense peak."""
+    fast_dev_run: int = 0
+    """Debug: run N training steps and N validation batches per worker, then stop."""
+    overfit_batches: int = 0
+    """Debug: train on the same first N global batches every epoch."""
 
     def __post_init__(self):
         if self.max_epochs is None and self.max_steps is None:
@@ -61,6 +119,13 @@ class TrainerConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"trainer.{key}={value} must be a positive integer")
+        for key in ("fast_dev_run", "overfit_batches"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"trainer.{key} must be >= 0 (0 turns it off)")
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            raise ConfigError(f"trainer.grad_clip_norm={self.grad_clip_norm} must be > 0")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"trainer.ema_decay={self.ema_decay} must be in (0, 1), e.g. 0.999")
 
 
 @dataclass(kw_only=True)
@@ -103,10 +168,13 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class Config:
-    task: TaskConfig
+    task: Component
     trainer: TrainerConfig
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    callbacks: list[Component] = field(default_factory=list)
+    """raytrainer.Callback classes; each runs on every worker, or on the driver when its
+    class sets on_driver = True."""
 
     def __post_init__(self):
         t, workers = self.trainer, self.scaling.num_workers
@@ -137,8 +205,10 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is dict:
+    if origin is dict or dataclasses.is_dataclass(tp):
         return "mapping"
+    if origin is list:
+        return "list"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -148,7 +218,12 @@ def _check(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked (and int->float widened) against annotation `tp`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
+        arms = typing.get_args(tp)
+        if value is None and type(None) in arms:
+            return None
+        for arm in arms:
+            if dataclasses.is_dataclass(arm):  # a section: its own errors are the useful ones
+                return _check(value, arm, key)
             try:
                 return _check(value, arm, key)
             except ConfigError:
@@ -156,6 +231,12 @@ def _check(value: Any, tp: Any, key: str) -> Any:
     elif origin is Literal:
         if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
             return value
+    elif dataclasses.is_dataclass(tp):
+        return _build(tp, {} if value is None else value, key)
+    elif origin is list:
+        if isinstance(value, list):
+            (item_tp,) = typing.get_args(tp)
+            return [_check(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
         if isinstance(value, dict):
             _, value_tp = typing.get_args(tp)
@@ -195,12 +276,13 @@ def _build(cls: type, data: Any, prefix: str):
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"missing required key '{key}'")
             continue
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, data[name] if data[name] is not None else {}, key)
-        else:
-            kwargs[name] = _check(data[name], tp, key)
-    return cls(**kwargs)
+        kwargs[name] = _check(data[name], hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if cls is Component:  # used in several places: its messages need the key
+            raise ConfigError(f"{prefix}.{exc}") from None
+        raise
 
 
 def _join(prefix: str, name: str) -> str:

@@ -16,6 +16,7 @@ import enum
 import time
 from typing import Any
 
+from .callbacks import Callbacks, RunContext
 from .errors import RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
 
@@ -29,13 +30,16 @@ class State(enum.Enum):
 
 class Controller:
     def __init__(self, group: Any, num_workers: int, hub: MetricsHub, events: EventLog,
-                 *, poll_interval_s: float = 0.2, progress: Any = None):
+                 *, poll_interval_s: float = 0.2, progress: Any = None,
+                 callbacks: Callbacks | None = None, context: RunContext | None = None):
         self.group = group
         self.num_workers = num_workers
         self.hub = hub
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.progress = progress
+        self.callbacks = callbacks or Callbacks([])
+        self.ctx = context or RunContext(run_dir=None, config=None)
         self.state = State.STARTING
         self.step = 0
         self.result: Any = None
@@ -54,13 +58,19 @@ class Controller:
                             **info)
             self.group.launch()
             self.state = State.RUNNING
+            self.callbacks("on_run_start", self.ctx)
+            self.callbacks("on_epoch_start", self.ctx)
             while self.state is State.RUNNING:
                 poll = self.group.poll(self.poll_interval_s)
                 self._record(poll.rows)
                 if poll.done:
                     self.result = poll.result
                     self.state = State.FINISHED
-            self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3))
+            self.callbacks("on_epoch_end", self.ctx)
+            self.callbacks("on_run_end", self.ctx)
+            reason = self.result.get("stop_reason") if isinstance(self.result, dict) else None
+            self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
+                            reason=reason)
             return self.result
         except BaseException as exc:
             self.state = State.FAILED
@@ -70,9 +80,20 @@ class Controller:
             self.group.shutdown()
 
     def _record(self, rows: list[dict[str, Any]]) -> None:
-        if rows:
-            self.step = max(self.step, rows[-1]["step"])
-            self.hub.write(rows)
+        if not rows:
+            return
+        self.step = max(self.step, rows[-1]["step"])
+        self.hub.write(rows)
+        for row in rows:  # driver-side callbacks see the same boundaries, from the rows
+            if row["epoch"] != self.ctx.epoch:
+                self.callbacks("on_epoch_end", self.ctx)
+                self.ctx.epoch = row["epoch"]
+                self.callbacks("on_epoch_start", self.ctx)
+            self.ctx.step = row["step"]
+            self.ctx.metrics.update(row)
+            val = {k: v for k, v in row.items() if k.startswith("val_")}
+            if val:
+                self.callbacks("on_validation_end", self.ctx, val)
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:

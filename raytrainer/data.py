@@ -32,6 +32,8 @@ class BatchPlan:
     micro_batch_size: int
     world_size: int
     seed: int
+    overfit_batches: int = 0
+    """Debug: only the first N global batches, in the same order every epoch."""
 
     def __post_init__(self):
         if self.dataset_size < self.global_batch_size:
@@ -58,10 +60,11 @@ class BatchPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.dataset_size // self.global_batch_size
+        steps = self.dataset_size // self.global_batch_size
+        return min(steps, self.overfit_batches) if self.overfit_batches else steps
 
     def order(self, epoch: int) -> torch.Tensor:
-        return _permutation(self.dataset_size, self.seed, epoch)
+        return _permutation(self.dataset_size, self.seed, 0 if self.overfit_batches else epoch)
 
     def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[torch.Tensor]:
         """Global sample indices of `rank`'s micro-batches for one optimizer step."""

@@ -4,7 +4,9 @@ One code path for 1 or N workers. An optimizer step consumes one global batch:
 this rank's share of it in `accumulation` micro-batches, gradients synchronised
 by DDP on the last micro-batch only. Each micro-batch loss is divided by the
 number of micro-batches and DDP averages over ranks, so the gradient is the
-mean over the whole global batch whatever the worker count.
+mean over the whole global batch whatever the worker count. Everything that
+happens once per optimizer step (unscaling, clipping, the optimizer, the
+scheduler, EMA) happens after the last micro-batch, never inside one.
 
 Per-step metrics stay on the device until a flush (every log_every_n_steps,
 before validation, at the end): one all-reduce then covers a whole window of
@@ -14,53 +16,91 @@ steps, and `report` receives one row per step.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from .callbacks import Callbacks
 from .config import TrainerConfig
 from .data import BatchPlan, batch_size_of, fetch, to_device, val_shard
 from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
+from .schedule import build_lr_schedule
 from .task import Task
 
 Report = Callable[[list[dict[str, Any]]], None]
 
+# Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+              "A10": 125e12, "V100": 125e12}
+
 
 class Loop:
     def __init__(self, task: Task, cfg: TrainerConfig, *, rank: int, world_size: int,
-                 device: torch.device, report: Report):
+                 device: torch.device, report: Report, callbacks: Callbacks | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         self.report = report if rank == 0 else (lambda rows: None)
+        self.callbacks = callbacks or Callbacks([])
 
         # The same seed on every rank and at every world size: identical initial weights.
         torch.manual_seed(cfg.seed)
-        self.module = task.build_model().to(device)
+        module = task.build_model()
+        if cfg.sync_batchnorm and world_size > 1:
+            module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        self.module = module.to(device)
+        self.optimizer = task.build_optimizer(self.module)
+        # Every rank applies the same averaged gradients, so every rank's EMA is the same
+        # without any communication.
+        self.ema = (
+            AveragedModel(self.module, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
+            if cfg.ema_decay else None
+        )
         self.model = (
             DistributedDataParallel(self.module, device_ids=[device.index] if device.type == "cuda" else None)
             if world_size > 1 else self.module
         )
-        self.optimizer = task.build_optimizer(self.module)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
 
         self.train_data = task.train_dataset()
         self.val_data = task.val_dataset()
         micro = cfg.micro_batch_size or cfg.global_batch_size // world_size
-        self.plan = BatchPlan(len(self.train_data), cfg.global_batch_size, micro, world_size, cfg.seed)
+        self.plan = BatchPlan(len(self.train_data), cfg.global_batch_size, micro, world_size, cfg.seed,
+                              overfit_batches=cfg.overfit_batches)
         if self.val_data is not None and len(self.val_data) < world_size:
             raise ConfigError(
                 f"the validation dataset has {len(self.val_data)} samples, fewer than the "
                 f"{world_size} workers; give it at least one sample per worker"
             )
+        if cfg.early_stopping and self.val_data is None:
+            raise ConfigError("trainer.early_stopping needs a validation dataset; the task has none")
         by_epochs = cfg.max_epochs * self.plan.steps_per_epoch if cfg.max_epochs else None
-        self.total_steps = min(s for s in (by_epochs, cfg.max_steps) if s is not None)
+        self.total_steps = cfg.fast_dev_run or min(s for s in (by_epochs, cfg.max_steps) if s is not None)
         self.scheduler = task.build_scheduler(self.optimizer, self.total_steps)
+        if cfg.lr_schedule is not None:
+            if self.scheduler is not None:
+                raise ConfigError(
+                    f"{type(task).__name__}.build_scheduler returns a scheduler and "
+                    "trainer.lr_schedule is set too; keep one of them"
+                )
+            self.scheduler = build_lr_schedule(self.optimizer, self.total_steps, cfg.lr_schedule)
+        self.flops_per_sample = getattr(task, "flops_per_sample", None)
+        self.tokens_per_sample = getattr(task, "tokens_per_sample", None)
+        self.peak_flops = cfg.peak_flops_per_worker or _known_peak(device)
 
         # Dropout and friends draw from a per-rank stream.
         torch.manual_seed(cfg.seed + 1 + rank)
         self.step = 0  # optimizer steps completed
+        self.epoch = 0
+        self.skipped_steps = 0
+        self.stop_reason: str | None = None
+        self._best: float | None = None
+        self._bad_validations = 0
         self._window: list[tuple[int, int, float, float, float, torch.Tensor]] = []
         self._train_keys: list[str] | None = None
         self._val_keys: list[str] | None = None
@@ -68,68 +108,103 @@ class Loop:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, torch.Tensor] | None:
-        """Train to the end; return the final weights (CPU) on rank 0."""
+        """Train to the end; return the final weights (EMA weights when on), on CPU, on rank 0."""
         self.model.train()
         spe = self.plan.steps_per_epoch
         self._last_time = time.perf_counter()
-        while self.step < self.total_steps:
-            epoch, in_epoch = divmod(self.step, spe)
-            self.train_step(epoch, in_epoch)
+        self.callbacks("on_run_start", self)
+        while self.step < self.total_steps and self.stop_reason is None:
+            self.epoch, in_epoch = divmod(self.step, spe)
+            if in_epoch == 0:
+                self.callbacks("on_epoch_start", self)
+            self.train_step(self.epoch, in_epoch)
             epoch_end = in_epoch + 1 == spe or self.step == self.total_steps
             every = self.cfg.val_every_n_steps
             if epoch_end or (every and self.step % every == 0):
-                self.validate(epoch)
+                self.validate(self.epoch)
             elif self.step % self.cfg.log_every_n_steps == 0:
                 self.flush()
+            if epoch_end:
+                self.callbacks("on_epoch_end", self)
         self.flush()
+        self.stop_reason = self.stop_reason or ("fast_dev_run" if self.cfg.fast_dev_run else "completed")
+        self.callbacks("on_run_end", self)
         if self.rank == 0:
-            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+            final = self.ema.module if self.ema is not None else self.module
+            return {k: v.detach().cpu().clone() for k, v in final.state_dict().items()}
         return None
 
     def train_step(self, epoch: int, in_epoch: int) -> None:
         micro_batches = self.plan.micro_batches(epoch, in_epoch, self.rank)
         last = len(micro_batches) - 1
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this step uses
         total = None
         for i, index in enumerate(micro_batches):
             batch = to_device(fetch(self.train_data, index), self.device)
             sync = i == last or self.model is self.module
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                out = self.task.train_step(self.model, batch)
-                loss = self._loss_of(out)
-                (loss / len(micro_batches)).backward()
+                with self._autocast():
+                    out = self.task.train_step(self.model, batch)
+                    loss = self._loss_of(out) / len(micro_batches)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             values = self._stack(out, "train")
             total = values if total is None else total + values
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        total = total / len(micro_batches)
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        if self.cfg.grad_clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip_norm)
+            total = torch.cat([total, norm.detach().float().reshape(1).to(total.device)])
+        applied = True
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan
+            self.scaler.update()
+            applied = self.scaler.get_scale() >= scale  # the scale only drops on overflow
+            self.skipped_steps += not applied
+        else:
+            self.optimizer.step()
+        if applied:
+            if self.scheduler is not None:
+                self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update_parameters(self.module)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
         now = time.perf_counter()
         rate = self.cfg.global_batch_size / max(now - self._last_time, 1e-9)
         self._last_time = now
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        self._window.append((self.step, epoch, time.time(), lr, rate, total / len(micro_batches)))
+        self._window.append((self.step, epoch, time.time(), lr, rate, total))
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
         self.flush()
         if self.val_data is None:
             return None
-        self.module.eval()
+        # EMA weights when on; never the DDP wrapper: its forward adds collectives, and
+        # validation shards may differ in length by one.
+        model = self.ema.module if self.ema is not None else self.module
+        model.eval()
         total, count = None, 0
-        # The unwrapped module: DDP's forward would add collectives, and shards are uneven.
-        for index in val_shard(len(self.val_data), self.rank, self.world_size).split(self.plan.micro_batch_size):
-            batch = to_device(fetch(self.val_data, index), self.device)
+        index = val_shard(len(self.val_data), self.rank, self.world_size)
+        chunks = index.split(self.plan.micro_batch_size)
+        for chunk in chunks[: self.cfg.fast_dev_run or None]:
+            batch = to_device(fetch(self.val_data, chunk), self.device)
             n = batch_size_of(batch)
-            values = self._stack(self.task.val_step(self.module, batch), "val") * n
+            with self._autocast():
+                out = self.task.val_step(model, batch)
+            values = self._stack(out, "val") * n
             total = values if total is None else total + values
             count += n
-        self.module.train()
+        model.train()
         sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
         means = (sums[:-1] / sums[-1]).tolist()
         metrics = {f"val_{k}": v for k, v in zip(self._val_keys, means)}
+        self._check_early_stopping(metrics)
         self.report([self._row(self.step, epoch, metrics)])
+        self.callbacks("on_validation_end", self, metrics)
         self._last_time = time.perf_counter()  # validation time is not training throughput
         return metrics
 
@@ -139,14 +214,53 @@ class Loop:
             return
         window, self._window = self._window, []
         means = (all_reduce_sum(torch.stack([w[-1] for w in window])) / self.world_size).tolist()
+        keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
         rows = []
         for (step, epoch, when, lr, rate, _), values in zip(window, means):
-            metrics = dict(zip(self._train_keys, values))
+            metrics = dict(zip(keys, values))
             metrics.update(lr=lr, samples_per_s=rate)
+            if self.tokens_per_sample:
+                metrics["tokens_per_s"] = rate * self.tokens_per_sample
+            if self.flops_per_sample:
+                metrics["model_flops_per_s"] = rate * self.flops_per_sample
+                if self.peak_flops:
+                    metrics["mfu"] = metrics["model_flops_per_s"] / (self.peak_flops * self.world_size)
+            if self.scaler is not None:
+                metrics["skipped_steps"] = self.skipped_steps
             rows.append(self._row(step, epoch, metrics, when))
         self.report(rows)
 
     # ------------------------------------------------------------------ helpers
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _check_early_stopping(self, metrics: dict[str, float]) -> None:
+        """Every rank holds the same reduced metrics, so every rank decides the same."""
+        es = self.cfg.early_stopping
+        if es is None:
+            return
+        if es.metric not in metrics:
+            raise ConfigError(
+                f"trainer.early_stopping.metric={es.metric!r} is not a validation metric; "
+                f"the task's are {sorted(metrics)}"
+            )
+        value = metrics[es.metric]
+        better = (
+            self._best is None
+            or (value < self._best - es.min_delta if es.mode == "min" else value > self._best + es.min_delta)
+        )
+        if better and math.isfinite(value):
+            self._best, self._bad_validations = value, 0
+        else:
+            self._bad_validations += 1
+            if self._bad_validations >= es.patience:
+                self.stop_reason = (
+                    f"early_stopping: {es.metric} did not improve on {self._best:.6g} "
+                    f"for {es.patience} validations"
+                )
 
     def _row(self, step: int, epoch: int, metrics: dict[str, float], when: float | None = None) -> dict[str, Any]:
         return {"step": step, "epoch": epoch, "world_size": self.world_size,
@@ -181,3 +295,10 @@ class Loop:
             else torch.tensor(float(out[k]), device=self.device)
             for k in keys
         ])
+
+
+def _known_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)

@@ -62,13 +62,14 @@ class Task:
 REQUIRED = ("build_model", "build_optimizer", "train_dataset", "train_step")
 
 
-def import_object(target: str) -> Any:
+def import_object(target: str, key: str = "task.target") -> Any:
+    """The object at `package.module:Name`; `key` names the config setting in errors."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(
-            f"task.target={target!r}: module {module_name!r} does not import ({exc}); "
+            f"{key}={target!r}: module {module_name!r} does not import ({exc}); "
             "check the path and that it is importable from the directory you launch in"
         ) from exc
     try:
@@ -76,7 +77,7 @@ def import_object(target: str) -> Any:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        raise ConfigError(f"task.target={target!r}: module {module_name!r} has no {attr!r}") from None
+        raise ConfigError(f"{key}={target!r}: module {module_name!r} has no {attr!r}") from None
     return obj
 
 

@@ -12,6 +12,7 @@ import threading
 import traceback
 from typing import Any
 
+from .callbacks import Callbacks
 from .config import load_config
 from .errors import RaytrainerError, WorkerError
 from .task import build_task
@@ -57,12 +58,13 @@ class Worker:
             device = choose_device(use_gpu)
             task = build_task(self.config.task.target, self.config.task.args)
             init_group(rank, world_size, addr, port, choose_backend(self.config.scaling.backend, use_gpu))
+            callbacks = Callbacks.build(self.config.callbacks, on_driver=False)
             self.loop = Loop(task, self.config.trainer, rank=rank, world_size=world_size,
-                             device=device, report=self._push)
+                             device=device, report=self._push, callbacks=callbacks)
             return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
 
-    def run(self) -> bytes | None:
-        """Train to the end; rank 0 returns the final weights as torch.save bytes."""
+    def run(self) -> dict[str, Any]:
+        """Train to the end; rank 0 also returns the final weights as torch.save bytes."""
         import io
 
         import torch
@@ -74,11 +76,12 @@ class Worker:
                 weights = self.loop.fit()
         finally:
             destroy_group()
-        if weights is None:
-            return None
-        buffer = io.BytesIO()
-        torch.save(weights, buffer)
-        return buffer.getvalue()
+        result = {"stop_reason": self.loop.stop_reason, "model": None}
+        if weights is not None:
+            buffer = io.BytesIO()
+            torch.save(weights, buffer)
+            result["model"] = buffer.getvalue()
+        return result
 
     def drain(self) -> list[dict[str, Any]]:
         """Rows reported since the last drain (rank 0 holds the reduced ones)."""
