@@ -17,6 +17,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set trainer.max_epochs=3 (repeatable)")
     train.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     train.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+    train.add_argument("--fast-dev-run", type=int, nargs="?", const=2, metavar="N",
+                       help="debug: N training steps (default 2) and N validation batches, then stop")
+    train.add_argument("--overfit-batches", type=int, metavar="N",
+                       help="debug: train on the same first N global batches every epoch")
     return parser
 
 
@@ -24,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .api import train
 
+    for flag in ("fast_dev_run", "overfit_batches"):
+        if getattr(args, flag) is not None:
+            args.overrides.append(f"trainer.{flag}={getattr(args, flag)}")
     try:
         result = train(args.config, args.overrides, address=args.address, progress=not args.no_progress)
     except ConfigError as exc:

@@ -30,6 +30,7 @@ from .data import BatchPlan, batch_size_of, fetch, to_device, val_shard
 from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
 from .schedule import build_lr_schedule
+from .syncbn import convert_sync_batchnorm
 from .task import Task
 
 Report = Callable[[list[dict[str, Any]]], None]
@@ -51,7 +52,7 @@ class Loop:
         torch.manual_seed(cfg.seed)
         module = task.build_model()
         if cfg.sync_batchnorm and world_size > 1:
-            module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+            module = convert_sync_batchnorm(module, device)
         self.module = module.to(device)
         self.optimizer = task.build_optimizer(self.module)
         # Every rank applies the same averaged gradients, so every rank's EMA is the same
@@ -97,11 +98,13 @@ class Loop:
         torch.manual_seed(cfg.seed + 1 + rank)
         self.step = 0  # optimizer steps completed
         self.epoch = 0
+        self._last_time = time.perf_counter()
         self.skipped_steps = 0
         self.stop_reason: str | None = None
         self._best: float | None = None
         self._bad_validations = 0
-        self._window: list[tuple[int, int, float, float, float, torch.Tensor]] = []
+        # (the row's host-side fields, the step's metrics still on the device)
+        self._window: list[tuple[dict[str, Any], torch.Tensor]] = []
         self._train_keys: list[str] | None = None
         self._val_keys: list[str] | None = None
 
@@ -111,7 +114,7 @@ class Loop:
         """Train to the end; return the final weights (EMA weights when on), on CPU, on rank 0."""
         self.model.train()
         spe = self.plan.steps_per_epoch
-        self._last_time = time.perf_counter()
+        self._last_time = time.perf_counter()  # set-up time is not training throughput
         self.callbacks("on_run_start", self)
         while self.step < self.total_steps and self.stop_reason is None:
             self.epoch, in_epoch = divmod(self.step, spe)
@@ -176,7 +179,16 @@ class Loop:
         now = time.perf_counter()
         rate = self.cfg.global_batch_size / max(now - self._last_time, 1e-9)
         self._last_time = now
-        self._window.append((self.step, epoch, time.time(), lr, rate, total))
+        info = self._row(self.step, epoch, {"lr": lr, "samples_per_s": rate})
+        if self.tokens_per_sample:
+            info["tokens_per_s"] = rate * self.tokens_per_sample
+        if self.flops_per_sample:
+            info["model_flops_per_s"] = rate * self.flops_per_sample
+            if self.peak_flops:
+                info["mfu"] = info["model_flops_per_s"] / (self.peak_flops * self.world_size)
+        if self.scaler is not None:
+            info["skipped_steps"] = self.skipped_steps
+        self._window.append((info, total))
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
@@ -213,22 +225,9 @@ class Loop:
         if not self._window:
             return
         window, self._window = self._window, []
-        means = (all_reduce_sum(torch.stack([w[-1] for w in window])) / self.world_size).tolist()
+        means = (all_reduce_sum(torch.stack([values for _, values in window])) / self.world_size).tolist()
         keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
-        rows = []
-        for (step, epoch, when, lr, rate, _), values in zip(window, means):
-            metrics = dict(zip(keys, values))
-            metrics.update(lr=lr, samples_per_s=rate)
-            if self.tokens_per_sample:
-                metrics["tokens_per_s"] = rate * self.tokens_per_sample
-            if self.flops_per_sample:
-                metrics["model_flops_per_s"] = rate * self.flops_per_sample
-                if self.peak_flops:
-                    metrics["mfu"] = metrics["model_flops_per_s"] / (self.peak_flops * self.world_size)
-            if self.scaler is not None:
-                metrics["skipped_steps"] = self.skipped_steps
-            rows.append(self._row(step, epoch, metrics, when))
-        self.report(rows)
+        self.report([{**info, **dict(zip(keys, values))} for (info, _), values in zip(window, means)])
 
     # ------------------------------------------------------------------ helpers
 
@@ -262,9 +261,8 @@ class Loop:
                     f"for {es.patience} validations"
                 )
 
-    def _row(self, step: int, epoch: int, metrics: dict[str, float], when: float | None = None) -> dict[str, Any]:
-        return {"step": step, "epoch": epoch, "world_size": self.world_size,
-                "time": when or time.time(), **metrics}
+    def _row(self, step: int, epoch: int, metrics: dict[str, float]) -> dict[str, Any]:
+        return {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time(), **metrics}
 
     def _loss_of(self, out: Any) -> torch.Tensor:
         loss = out.get("loss") if isinstance(out, dict) else None

@@ -58,3 +58,64 @@ class TinyTask(RegressionTask):
 
     def train_dataset(self):
         return self._data(8, 1)
+
+
+class FeatureTask(RegressionTask):
+    """Plain SGD (an update is exactly -lr * grad) and hooks for the feature tests."""
+
+    flops_per_sample = 1000.0
+    tokens_per_sample = 16
+
+    def __init__(self, inf_at_step=None, batchnorm=False, frozen=False, **kwargs):
+        super().__init__(**kwargs)
+        self.inf_at_step, self.batchnorm, self.frozen = inf_at_step, batchnorm, frozen
+
+    def build_model(self):
+        layers = [torch.nn.BatchNorm1d(4, momentum=1.0)] if self.batchnorm else []
+        return torch.nn.Sequential(*layers, torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def build_optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=0.0 if self.frozen else self.lr)
+
+    def train_step(self, model, batch):
+        x, y, _ = batch
+        self.steps += 1
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        if self.inf_at_step == self.steps:
+            loss = loss * float("inf")
+        return {"loss": loss, "bf16": float(out.dtype == torch.bfloat16),
+                "fp16": float(out.dtype == torch.float16)}
+
+
+class Recorder:
+    """A callback that appends every hook it sees to a JSON-lines file per rank."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def _log(self, ctx, hook, **extra):
+        import json
+
+        rank = getattr(ctx, "rank", "driver")
+        with open(f"{self.path}.{rank}", "a") as f:
+            f.write(json.dumps({"hook": hook, "step": ctx.step, "epoch": ctx.epoch, **extra}) + "\n")
+
+    def on_run_start(self, ctx):
+        self._log(ctx, "on_run_start")
+
+    def on_epoch_start(self, ctx):
+        self._log(ctx, "on_epoch_start")
+
+    def on_epoch_end(self, ctx):
+        self._log(ctx, "on_epoch_end")
+
+    def on_validation_end(self, ctx, metrics):
+        self._log(ctx, "on_validation_end", val_loss=metrics["val_loss"])
+
+    def on_run_end(self, ctx):
+        self._log(ctx, "on_run_end", stop_reason=getattr(ctx, "stop_reason", None))
+
+
+class DriverRecorder(Recorder):
+    on_driver = True

@@ -28,16 +28,16 @@ def test_example_learns(ray_local, tmp_path, name, overrides, check):
 
 def test_cli_trains_and_reports(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "raytrainer", "train", "configs/linear.yaml",
-         "--set", "trainer.max_epochs=1", "--set", "scaling.num_workers=1",
-         "--set", f"run.storage={tmp_path}", "--set", "run.name=cli"],
+        [sys.executable, "-m", "raytrainer", "train", "configs/linear.yaml", "--fast-dev-run", "3",
+         "--set", "scaling.num_workers=1", "--set", f"run.storage={tmp_path}", "--set", "run.name=cli"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"finished {tmp_path}/cli: step 64, epoch 1" in proc.stdout
-    assert "step 64/64" in proc.stderr  # the progress line, driver only
+    assert f"finished {tmp_path}/cli: step 3, epoch 1" in proc.stdout
+    assert "step 3/3" in proc.stderr  # the progress line, driver only
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 64 and "val_accuracy" in rows[-1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 3] and "val_accuracy" in rows[-1]
+    assert (tmp_path / "cli" / "model.pt").stat().st_size > 0
 
 
 def test_cli_config_error_exits_2_before_starting_anything(tmp_path):

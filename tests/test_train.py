@@ -117,3 +117,78 @@ def test_existing_run_directory_is_not_overwritten(ray_local, tmp_path):
     with pytest.raises(ConfigError, match="already holds a run"):
         raytrainer.train(config(tmp_path, "taken"), progress=False)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_equivalence_holds_with_accumulation_clipping_and_ema(ray_local, tmp_path):
+    trainer = {"max_steps": 8, "micro_batch_size": 4, "grad_clip_norm": 0.5, "ema_decay": 0.8}
+    task = {"target": "tests.tasks:FeatureTask", "args": {"lr": 0.5}}
+    one = raytrainer.train(config(tmp_path, "one", task=task, trainer=trainer, scaling={"num_workers": 1}),
+                           progress=False)
+    two = raytrainer.train(config(tmp_path, "two", task=task, trainer=trainer), progress=False)
+    assert any(r["grad_norm"] > 0.5 for r in one.history if "grad_norm" in r)  # clipping was active
+    a = torch.load(one.run_dir / "model.pt", weights_only=True)
+    b = torch.load(two.run_dir / "model.pt", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def global_batch_mean(step_in_epoch, num_samples=256, batch=32, seed=0):
+    """Mean input of one global batch, computed from the sampler and the data directly."""
+    from raytrainer.data import BatchPlan
+
+    from .tasks import FeatureTask
+
+    x = FeatureTask(num_samples=num_samples).train_dataset().tensors[0]
+    index = torch.cat(BatchPlan(num_samples, batch, batch, 1, seed).micro_batches(0, step_in_epoch, 0))
+    return x[index].mean(0)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_sync_batchnorm_statistics_cover_the_global_batch(ray_local, tmp_path, sync):
+    # BatchNorm momentum 1.0: after one step its running mean is that step's batch mean.
+    task = {"target": "tests.tasks:FeatureTask", "args": {"batchnorm": True}}
+    result = raytrainer.train(config(tmp_path, f"bn{sync}", task=task,
+                                     trainer={"max_steps": 1, "sync_batchnorm": sync}), progress=False)
+    running_mean = torch.load(result.run_dir / "model.pt", weights_only=True)["0.running_mean"]
+    matches = torch.allclose(running_mean, global_batch_mean(0), atol=1e-6)
+    assert matches is sync  # without SyncBatchNorm it is rank 0's half-batch mean
+
+
+def test_sync_batchnorm_on_two_workers_trains_like_batchnorm_on_one(ray_local, tmp_path):
+    """The backward through the synchronised statistics is exact, not only the forward."""
+    task = {"target": "tests.tasks:FeatureTask", "args": {"batchnorm": True, "lr": 0.2}}
+    trainer = {"max_steps": 6, "sync_batchnorm": True}
+    one = raytrainer.train(config(tmp_path, "one", task=task, trainer=trainer, scaling={"num_workers": 1}),
+                           progress=False)
+    two = raytrainer.train(config(tmp_path, "two", task=task, trainer=trainer), progress=False)
+    a = torch.load(one.run_dir / "model.pt", weights_only=True)
+    b = torch.load(two.run_dir / "model.pt", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def test_early_stopping_stops_every_rank_at_the_same_step(ray_local, tmp_path):
+    record = tmp_path / "hooks"
+    cfg = config(
+        tmp_path, "early",
+        task={"target": "tests.tasks:FeatureTask", "args": {"frozen": True}},
+        trainer={"max_epochs": 5, "val_every_n_steps": 2,
+                 "early_stopping": {"metric": "val_loss", "patience": 2}},
+    )
+    cfg["callbacks"] = [{"target": "tests.tasks:Recorder", "args": {"path": str(record)}},
+                        {"target": "tests.tasks:DriverRecorder", "args": {"path": str(record)}}]
+    result = raytrainer.train(cfg, progress=False)
+    finished = result.events[-1]
+    assert finished["event"] == "finished" and finished["step"] == 6
+    assert finished["reason"].startswith("early_stopping: val_loss did not improve")
+
+    def hooks(who):
+        return [json.loads(line) for line in (tmp_path / f"hooks.{who}").read_text().splitlines()]
+
+    ends = [hooks(rank)[-1] for rank in (0, 1)]
+    assert [(e["hook"], e["step"]) for e in ends] == [("on_run_end", 6)] * 2
+    for who in (0, 1, "driver"):  # lifecycle boundaries only, the same on every rank and the driver
+        names = [h["hook"] for h in hooks(who)]
+        assert names[0] == "on_run_start" and names[-1] == "on_run_end"
+        assert names.count("on_validation_end") == 3 and names.count("on_epoch_start") == 1
+    assert [h["step"] for h in hooks("driver") if h["hook"] == "on_validation_end"] == [2, 4, 6]
