@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
+import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .callbacks import Callbacks, RunContext
+from .callbacks import Callback, Callbacks, RunContext
+from .checkpoint import Checkpoints, Storage, load_checkpoint_dir
 from .config import Config, dump_config, load_config
 from .controller import Controller
 from .errors import ConfigError
@@ -42,12 +46,11 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     if config.run.name is None:
         stem = config.task.target.partition(":")[0].rsplit(".", 1)[-1]
         config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.run.storage.removeprefix("file://")) / config.run.name
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(
-            f"run directory {str(run_dir)!r} already holds a run; choose another run.name "
-            "(e.g. --set run.name=NEW) or remove that directory"
-        )
+    storage = Storage(config.run.storage)
+    # The driver's own files (logs, TensorBoard, model.pt) are written locally: in the run
+    # directory itself on local storage, else in a local mirror uploaded as the run goes.
+    run_dir = (Path(storage.root) if storage.local else Path(tempfile.gettempdir()) / "raytrainer") / config.run.name
+    resume = _find_resume(config, storage, run_dir)
 
     started_ray = False
     if not ray.is_initialized():
@@ -58,15 +61,59 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             ray.init(include_dashboard=False, logging_level="WARNING")
             started_ray = True
     try:
-        return _run(config, run_dir, progress=progress, cluster_can_grow=not started_ray,
-                    callbacks=list(callbacks))
+        return _run(config, storage, run_dir, resume, progress=progress,
+                    cluster_can_grow=not started_ray, callbacks=list(callbacks))
     finally:
         if started_ray:
             ray.shutdown()
 
 
-def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: bool,
-         callbacks: list[Any]) -> Result:
+def _find_resume(config: Config, storage: Storage, run_dir: Path) -> tuple[int, str, bytes] | None:
+    """The checkpoint to start from, per run.resume, as (step, name, state bytes)."""
+    mode = config.run.resume
+    if mode not in ("auto", "never"):
+        try:
+            ckpt, data = load_checkpoint_dir(mode)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"run.resume={mode!r}: {exc}") from None
+        return ckpt.step, mode, data
+    checkpoints = Checkpoints(storage, config.run.name, config.checkpoint)
+    found = checkpoints.load_latest(warn=_warn) if mode == "auto" else None
+    if found is not None:
+        ckpt, data = found
+        return ckpt.step, ckpt.name, data
+    if (run_dir / "metrics.jsonl").exists() or checkpoints.committed():
+        why = ("already holds a run but no committed checkpoint to resume from" if mode == "auto"
+               else "already holds a run and run.resume=never")
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} {why}; choose another run.name "
+            "(e.g. --set run.name=NEW) or remove that directory"
+        )
+    return None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    print(f"raytrainer: warning: {message}", file=sys.stderr)
+
+
+class _UploadLogs(Callback):
+    """Copies the driver's files to remote storage at each checkpoint and at the end."""
+
+    def __init__(self, storage: Storage, run_dir: Path, name: str):
+        self.storage, self.run_dir, self.name = storage, run_dir, name
+
+    def on_checkpoint(self, ctx, path):
+        self.upload()
+
+    def upload(self) -> None:
+        for path in sorted(self.run_dir.iterdir()):
+            if path.is_file() and not path.name.endswith(".tmp"):
+                self.storage.write(f"{self.name}/{path.name}", path.read_bytes())
+
+
+def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str, bytes] | None, *,
+         progress: bool, cluster_can_grow: bool, callbacks: list[Any]) -> Result:
     import ray
 
     from .group import RayWorkerGroup
@@ -76,15 +123,18 @@ def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: boo
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    if not (run_dir / "config.yaml").exists():  # a resumed run keeps the config it began with
+        (run_dir / "config.yaml").write_text(dump_config(config))
     events = EventLog(run_dir / "events.jsonl")
     bar = ProgressBar() if progress else None
     sinks = [JsonlWriter(run_dir / "metrics.jsonl"), TensorBoardSink(run_dir)] + ([bar] if bar else [])
     hub = MetricsHub(sinks)
     group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow)
-    driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks)
+    upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
+    driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks
+                                 + ([upload] if upload else []))
     controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar,
-                            callbacks=driver_callbacks, context=RunContext(run_dir, config))
+                            callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume)
     try:
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
@@ -93,4 +143,6 @@ def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: boo
     finally:
         hub.close()
         events.close()
+        if upload:
+            upload.upload()
     return Result(run_dir=run_dir, metrics=dict(hub.latest), history=hub.history, events=events.events)

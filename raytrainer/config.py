@@ -151,18 +151,55 @@ class ScalingConfig:
 
 
 @dataclass(kw_only=True)
+class KeepBestConfig:
+    metric: str
+    mode: Literal["min", "max"] = "min"
+    k: int = 1
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ConfigError(f"checkpoint.keep_best.k={self.k} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_n_steps: int | None = None
+    """Save every N optimizer steps (and at the end of the run); None: only at the end."""
+    keep_last: int = 2
+    """How many of the newest checkpoints to keep (at least 1: the one a resume needs)."""
+    keep_best: KeepBestConfig | None = None
+    """Also keep the k best by a metric (the latest value logged at save time)."""
+    async_save: bool = field(default=False, metadata={"key": "async"})
+    """`async: true`: copy the state off the device and write it in the background."""
+
+    def __post_init__(self):
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ConfigError(f"checkpoint.every_n_steps={self.every_n_steps} must be >= 1 (or null)")
+        if self.keep_last < 1:
+            raise ConfigError(
+                f"checkpoint.keep_last={self.keep_last} must be >= 1: the newest checkpoint is "
+                "the one a resume needs"
+            )
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str | None = None
     """Run directory name under storage; default: <task module>-<UTC timestamp>."""
     storage: str = "runs"
-    """Where run directories live: a local path or a file:// URI."""
+    """Where run directories live: a local path, a file:// or an s3:// URI."""
+    resume: str = "auto"
+    """auto: continue from the newest committed checkpoint of this run directory, if any;
+    never: always start fresh (an existing run directory is an error); or a checkpoint
+    directory to start from."""
 
     def __post_init__(self):
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"run.name={self.name!r} must be a plain directory name")
-        if "://" in self.storage and not self.storage.startswith("file://"):
+        scheme = self.storage.partition("://")[0] if "://" in self.storage else None
+        if scheme not in (None, "file", "s3"):
             raise ConfigError(
-                f"run.storage={self.storage!r}: only local paths and file:// URIs are supported"
+                f"run.storage={self.storage!r}: use a local path, a file:// or an s3:// URI"
             )
 
 
@@ -172,6 +209,7 @@ class Config:
     trainer: TrainerConfig
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: list[Component] = field(default_factory=list)
     """raytrainer.Callback classes; each runs on every worker, or on the driver when its
     class sets on_driver = True."""
@@ -194,7 +232,7 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _to_dict(self)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -261,7 +299,7 @@ def _build(cls: type, data: Any, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"section '{prefix}'" if prefix else "the top level"
@@ -276,13 +314,28 @@ def _build(cls: type, data: Any, prefix: str):
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"missing required key '{key}'")
             continue
-        kwargs[name] = _check(data[name], hints[name], key)
+        kwargs[f.name] = _check(data[name], hints[f.name], key)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         if cls is Component:  # used in several places: its messages need the key
             raise ConfigError(f"{prefix}.{exc}") from None
         raise
+
+
+def _key(f: dataclasses.Field) -> str:
+    """The YAML key of a field (differs where the key is a Python keyword, e.g. async)."""
+    return f.metadata.get("key", f.name)
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_dict(v) for k, v in obj.items()}
+    return obj
 
 
 def _join(prefix: str, name: str) -> str:

@@ -31,8 +31,10 @@ class State(enum.Enum):
 class Controller:
     def __init__(self, group: Any, num_workers: int, hub: MetricsHub, events: EventLog,
                  *, poll_interval_s: float = 0.2, progress: Any = None,
-                 callbacks: Callbacks | None = None, context: RunContext | None = None):
+                 callbacks: Callbacks | None = None, context: RunContext | None = None,
+                 resume: tuple[int, str, bytes] | None = None):
         self.group = group
+        self.resume = resume  # (step, checkpoint name, state bytes) to start from
         self.num_workers = num_workers
         self.hub = hub
         self.events = events
@@ -50,7 +52,10 @@ class Controller:
         self.events.log("run_started", step=0, num_workers=self.num_workers)
         try:
             nodes = self.group.start(self.num_workers)
-            info = self.group.setup()
+            info = self.group.setup(self.resume[2] if self.resume else None)
+            if self.resume:
+                self.step = self.ctx.step = self.resume[0]
+                self.events.log("resumed", step=self.step, checkpoint=self.resume[1])
             if self.progress is not None:
                 self.progress.total_steps = info.get("total_steps")
             self.events.log("group_formed", step=self.step, world_size=self.num_workers,
@@ -63,6 +68,10 @@ class Controller:
             while self.state is State.RUNNING:
                 poll = self.group.poll(self.poll_interval_s)
                 self._record(poll.rows)
+                for event in poll.events:
+                    self.events.log(**event)
+                    if event["event"] == "checkpoint_committed":
+                        self.callbacks("on_checkpoint", self.ctx, event["path"])
                 if poll.done:
                     self.result = poll.result
                     self.state = State.FINISHED

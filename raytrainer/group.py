@@ -22,6 +22,7 @@ from .worker import Worker
 @dataclass
 class Poll:
     rows: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # from workers, e.g. checkpoints
     done: bool = False
     result: Any = None  # rank 0's return value once done
 
@@ -76,11 +77,14 @@ class RayWorkerGroup:
         ]
         return _gather([a.node.remote() for a in self.actors])
 
-    def setup(self) -> dict[str, int]:
-        """Form the process group and build the task on every worker."""
+    def setup(self, resume: bytes | None = None) -> dict[str, int]:
+        """Form the process group and build the task on every worker, loading `resume`
+        (checkpoint bytes, put in the object store once for all workers)."""
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         world = len(self.actors)
-        infos = _gather([a.setup.remote(r, world, addr, port, self.use_gpu) for r, a in enumerate(self.actors)])
+        state = ray.put(resume) if resume is not None else None
+        infos = _gather([a.setup.remote(r, world, addr, port, self.use_gpu, state)
+                         for r, a in enumerate(self.actors)])
         return infos[0]
 
     def launch(self) -> None:
@@ -90,13 +94,15 @@ class RayWorkerGroup:
     def poll(self, timeout: float) -> Poll:
         """Wait up to `timeout` for any worker to finish or fail; collect new metric rows."""
         ready, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
-        poll = Poll(rows=self._drain())
+        poll = Poll(*self._drain())
         for ref in ready:
             _get(ref, self._runs.index(ref))  # raises the worker's error
         if not self._pending:
             poll.done = True
             poll.result = ray.get(self._runs[0])
-            poll.rows += self._drain()
+            rows, events = self._drain()
+            poll.rows += rows
+            poll.events += events
         return poll
 
     def shutdown(self) -> None:
@@ -109,11 +115,11 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ helpers
 
-    def _drain(self) -> list[dict[str, Any]]:
+    def _drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         try:
             return ray.get(self.actors[0].drain.remote())
         except RayActorError:
-            return []  # rank 0 died; its run() ref reports why
+            return [], []  # rank 0 died; its run() ref reports why
 
     def _check_fits(self, num_workers: int) -> None:
         """Fail at once when no placement can ever succeed: the cluster cannot grow and

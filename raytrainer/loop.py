@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from typing import Any, Callable
 
@@ -25,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .callbacks import Callbacks
-from .config import TrainerConfig
+from .checkpoint import AsyncWriter, Checkpoints, Committed, to_cpu
+from .config import CheckpointConfig, TrainerConfig
 from .data import BatchPlan, batch_size_of, fetch, to_device, val_shard
 from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
@@ -42,11 +44,18 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L
 
 class Loop:
     def __init__(self, task: Task, cfg: TrainerConfig, *, rank: int, world_size: int,
-                 device: torch.device, report: Report, callbacks: Callbacks | None = None):
+                 device: torch.device, report: Report, callbacks: Callbacks | None = None,
+                 checkpoints: Checkpoints | None = None, checkpoint_cfg: CheckpointConfig | None = None,
+                 notify: Callable[[dict[str, Any]], None] | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         self.report = report if rank == 0 else (lambda rows: None)
+        self.notify = notify or (lambda event: None)  # lifecycle events for the driver's log
         self.callbacks = callbacks or Callbacks([])
+        self.checkpoint_cfg = checkpoint_cfg or CheckpointConfig()
+        self.checkpoints = checkpoints if rank == 0 else None  # only rank 0 writes
+        self._writer: AsyncWriter | None = None
+        self._write_error: BaseException | None = None
 
         # The same seed on every rank and at every world size: identical initial weights.
         torch.manual_seed(cfg.seed)
@@ -107,6 +116,8 @@ class Loop:
         self._window: list[tuple[dict[str, Any], torch.Tensor]] = []
         self._train_keys: list[str] | None = None
         self._val_keys: list[str] | None = None
+        self.latest_metrics: dict[str, float] = {}  # what keep_best ranks checkpoints by
+        self._saved_step = -1
 
     # ------------------------------------------------------------------ loop
 
@@ -129,7 +140,15 @@ class Loop:
                 self.flush()
             if epoch_end:
                 self.callbacks("on_epoch_end", self)
+            every = self.checkpoint_cfg.every_n_steps
+            if every and self.step % every == 0 and not self.cfg.fast_dev_run:
+                self.save_checkpoint()
         self.flush()
+        if not self.cfg.fast_dev_run:
+            self.save_checkpoint()  # the end of the run (a no-op if this step is saved)
+            if self._writer is not None:
+                self._writer.wait()
+            self._raise_write_error()
         self.stop_reason = self.stop_reason or ("fast_dev_run" if self.cfg.fast_dev_run else "completed")
         self.callbacks("on_run_end", self)
         if self.rank == 0:
@@ -214,6 +233,7 @@ class Loop:
         sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
         means = (sums[:-1] / sums[-1]).tolist()
         metrics = {f"val_{k}": v for k, v in zip(self._val_keys, means)}
+        self.latest_metrics.update(metrics)
         self._check_early_stopping(metrics)
         self.report([self._row(self.step, epoch, metrics)])
         self.callbacks("on_validation_end", self, metrics)
@@ -227,7 +247,91 @@ class Loop:
         window, self._window = self._window, []
         means = (all_reduce_sum(torch.stack([values for _, values in window])) / self.world_size).tolist()
         keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
-        self.report([{**info, **dict(zip(keys, values))} for (info, _), values in zip(window, means)])
+        rows = [{**info, **dict(zip(keys, values))} for (info, _), values in zip(window, means)]
+        self.latest_metrics.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
+        self.report(rows)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated training state (the same on every rank after a step)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "loop": {"step": self.step, "skipped_steps": self.skipped_steps, "best": self._best,
+                     "bad_validations": self._bad_validations,
+                     "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state` was taken: the next step is state's step + 1, at
+        the same global sample index, whatever the world size now is."""
+        saved = state["loop"]
+        if saved["global_batch_size"] != self.cfg.global_batch_size:
+            raise ConfigError(
+                f"the checkpoint was trained with trainer.global_batch_size="
+                f"{saved['global_batch_size']}, this run has {self.cfg.global_batch_size}; "
+                "resuming needs the same global batch (the data position depends on it)"
+            )
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name in ("scheduler", "scaler", "ema"):
+            target = getattr(self, name)
+            if (target is None) != (state[name] is None):
+                raise ConfigError(f"the checkpoint {'has' if state[name] is not None else 'lacks'} "
+                                  f"{name} state but this run {'does not use' if target is None else 'uses'} "
+                                  "one; resume with the config the checkpoint was trained with")
+            if target is not None:
+                target.load_state_dict(state[name])
+        self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
+        self._best, self._bad_validations = saved["best"], saved["bad_validations"]
+        self._saved_step = self.step
+        rngs = state.get("rng") or []
+        if saved["world_size"] == self.world_size and self.rank < len(rngs):
+            _set_rng_state(rngs[self.rank])
+        else:  # a different world size: fresh per-rank streams, still deterministic
+            torch.manual_seed(self.cfg.seed + 1 + self.rank + 7919 * self.step)
+            random.seed(self.cfg.seed + self.rank + self.step)
+
+    def save_checkpoint(self) -> None:
+        """All ranks call this at the same step (their RNG states are gathered); rank 0
+        writes. Asynchronously, the step waits only for the copy to CPU."""
+        if self.step == self._saved_step:
+            return
+        self._saved_step = self.step
+        self._raise_write_error()
+        rng = _rng_state(self.device)
+        rngs = [rng]
+        if self.world_size > 1:
+            rngs = [None] * self.world_size
+            torch.distributed.all_gather_object(rngs, rng)
+        if self.checkpoints is None:
+            return
+        state = {**self.state_dict(), "rng": rngs}
+        metrics = dict(self.latest_metrics)
+        if self.checkpoint_cfg.async_save:
+            if self._writer is None:
+                self._writer = AsyncWriter(self.checkpoints, self._committed, self._failed_write)
+            self._writer.submit(self.step, to_cpu(state), metrics)
+        else:
+            self._committed(self.checkpoints.write(self.step, state, metrics))
+
+    def _committed(self, ckpt: Committed) -> None:
+        path = self.checkpoints.storage.path(f"{self.checkpoints.prefix}/{ckpt.name}")
+        self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,
+                     "bytes": ckpt.manifest["files"]["state.pt"]["size"]})
+        self.callbacks("on_checkpoint", self, path)
+
+    def _failed_write(self, exc: BaseException) -> None:
+        self._write_error = exc
+
+    def _raise_write_error(self) -> None:
+        if self._write_error is not None:
+            exc, self._write_error = self._write_error, None
+            raise RuntimeError(f"writing a checkpoint failed: {exc}") from exc
 
     # ------------------------------------------------------------------ helpers
 
@@ -293,6 +397,34 @@ class Loop:
             else torch.tensor(float(out[k]), device=self.device)
             for k in keys
         ])
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's random streams, in types torch.load(weights_only=True) accepts."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        _, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _known_peak(device: torch.device) -> float | None:

@@ -5,15 +5,32 @@ GlooSyncBatchNorm: per-channel sum, sum of squares and count are all-reduced
 with the autograd-aware all_reduce, so the forward normalises with the
 statistics of the global micro-batch and the backward is exact (the gradient of
 a SUM all-reduce is a SUM all-reduce of the gradients, the same maths as
-torch's CUDA kernels).
+torch's CUDA kernels). With gradient accumulation the statistics cover one
+micro-batch of every worker, not the whole global batch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce
 from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """SUM all-reduce whose gradient is the SUM all-reduce of the incoming gradients.
+    (torch.distributed.nn.functional.all_reduce does this but is deprecated.)"""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
 
 
 class GlooSyncBatchNorm(_BatchNorm):
@@ -28,7 +45,7 @@ class GlooSyncBatchNorm(_BatchNorm):
         dims = [0] + list(range(2, x.dim()))
         xf = x.float()  # statistics in fp32, also under autocast
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), xf.new_tensor([x.numel() // channels])])
-        stats = all_reduce(local, op=dist.ReduceOp.SUM)
+        stats = _AllReduceSum.apply(local)
         n = stats[-1]
         mean = stats[:channels] / n
         var = (stats[channels:-1] / n - mean * mean).clamp_min(0)

@@ -30,6 +30,7 @@ class Worker:
         self.rank: int | None = None
         self.loop = None
         self._rows: list[dict[str, Any]] = []
+        self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
     def node(self) -> dict[str, Any]:
@@ -49,18 +50,30 @@ class Worker:
 
         return self.node()["ip"], free_port()
 
-    def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool) -> dict[str, int]:
+    def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
+              resume: bytes | None = None) -> dict[str, int]:
+        """Join the group, build the task, and load `resume` (checkpoint bytes) if given."""
+        import io
+
+        import torch
+
+        from .checkpoint import Checkpoints, Storage
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop
 
         self.rank = rank
+        cfg = self.config
         with _as_worker_error(self):
             device = choose_device(use_gpu)
-            task = build_task(self.config.task.target, self.config.task.args)
-            init_group(rank, world_size, addr, port, choose_backend(self.config.scaling.backend, use_gpu))
-            callbacks = Callbacks.build(self.config.callbacks, on_driver=False)
-            self.loop = Loop(task, self.config.trainer, rank=rank, world_size=world_size,
-                             device=device, report=self._push, callbacks=callbacks)
+            task = build_task(cfg.task.target, cfg.task.args)
+            init_group(rank, world_size, addr, port, choose_backend(cfg.scaling.backend, use_gpu))
+            callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
+            checkpoints = Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint) if rank == 0 else None
+            self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
+                             report=self._push, callbacks=callbacks, checkpoints=checkpoints,
+                             checkpoint_cfg=cfg.checkpoint, notify=self._notify)
+            if resume is not None:
+                self.loop.load_state_dict(torch.load(io.BytesIO(resume), weights_only=True))
             return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
 
     def run(self) -> dict[str, Any]:
@@ -83,15 +96,21 @@ class Worker:
             result["model"] = buffer.getvalue()
         return result
 
-    def drain(self) -> list[dict[str, Any]]:
-        """Rows reported since the last drain (rank 0 holds the reduced ones)."""
+    def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Metric rows and lifecycle events since the last drain (rank 0 holds the
+        reduced rows and writes the checkpoints)."""
         with self._lock:
             rows, self._rows = self._rows, []
-        return rows
+            events, self._events = self._events, []
+        return rows, events
 
     def _push(self, rows: list[dict[str, Any]]) -> None:
         with self._lock:
             self._rows.extend(rows)
+
+    def _notify(self, event: dict[str, Any]) -> None:
+        with self._lock:  # also called from the checkpoint writer thread
+            self._events.append({**event, "rank": self.rank})
 
 
 @contextlib.contextmanager

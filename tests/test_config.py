@@ -40,7 +40,9 @@ def test_yaml_file_and_overrides(tmp_path):
     (["trainer.max_epochs=null"], ["max_epochs or trainer.max_steps"]),
     (["trainer.max_steps=0", "trainer.max_epochs=null"], ["trainer.max_steps=0", "positive"]),
     (["task.target=nocolon"], ["task.target", "package.module:ClassName"]),
-    (["run.storage=s3://bucket/x"], ["run.storage"]),
+    (["run.storage=gs://bucket/x"], ["run.storage", "s3://"]),
+    (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0", "resume needs"]),
+    (["checkpoint.asynch=true"], ["checkpoint.asynch", "async"]),
     (["noequals"], ["section.key=value"]),
 ])
 def test_bad_values_name_the_key(overrides, words):

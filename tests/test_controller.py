@@ -20,7 +20,7 @@ class FakeGroup:
         self.calls.append(("start", n))
         return [{"ip": "10.0.0.1"}] * n
 
-    def setup(self):
+    def setup(self, resume=None):
         self.calls.append(("setup",))
         if self.fail_on_setup:
             raise self.fail_on_setup

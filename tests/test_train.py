@@ -43,8 +43,9 @@ def test_two_workers_write_the_run_directory(ray_local, tmp_path):
     assert result.metrics["step"] == 16 and result.metrics["val_loss"] == val[-1]["val_loss"]
 
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["run_started", "group_formed", "finished"]
+    assert [e["event"] for e in events] == ["run_started", "group_formed", "checkpoint_committed", "finished"]
     assert events[1]["world_size"] == 2
+    assert events[2]["step"] == 16 and (run / "checkpoints" / "step-00000016" / "COMMITTED").is_file()
     weights = torch.load(run / "model.pt", weights_only=True)
     assert set(weights) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert_no_leaks()

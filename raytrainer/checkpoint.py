@@ -1,0 +1,219 @@
+"""Checkpoints: any storage pyarrow.fs reaches, atomic commit by marker, retention.
+
+Layout under the run directory:
+
+    checkpoints/step-00000120/state.pt    model, optimizer, scheduler, scaler, EMA,
+                                          loop counters, every rank's RNG state
+    checkpoints/step-00000120/COMMITTED   JSON manifest: step, size and sha256 of
+                                          state.pt, metrics at that step
+
+A checkpoint exists only once its COMMITTED marker does, and the marker is
+written last, so a crash or kill mid-write leaves the previous checkpoint as
+the latest (rename is not atomic on object stores; a marker is). The manifest's
+checksum catches a truncated or corrupted state.pt at load time, and the next
+older checkpoint is used instead, with a warning. Everything loads with
+torch.load(weights_only=True): a checkpoint never unpickles code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMMITTED"
+STATE = "state.pt"
+
+
+class Storage:
+    """A directory on a local disk, file:// or s3:// (endpoint and credentials from the
+    environment, as AWS tools read them: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+
+    def __init__(self, uri: str):
+        import pyarrow.fs as pafs
+
+        self.uri = uri.rstrip("/")
+        if "://" in uri:
+            self.fs, self.root = pafs.FileSystem.from_uri(self.uri)
+        else:
+            self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(uri)
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def write(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with self.fs.open_output_stream(path) as f:
+            f.write(data)
+
+    def read(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.path(rel)) as f:
+            return f.read()
+
+    def exists(self, rel: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def list_dirs(self, rel: str) -> list[str]:
+        import pyarrow.fs as pafs
+
+        selector = pafs.FileSelector(self.path(rel), allow_not_found=True)
+        return sorted(i.base_name for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.Directory)
+
+    def delete_dir(self, rel: str) -> None:
+        self.fs.delete_dir(self.path(rel))
+
+
+@dataclass
+class Committed:
+    step: int
+    name: str
+    manifest: dict[str, Any]
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def read_verified(storage: Storage, rel: str, manifest: dict[str, Any]) -> bytes:
+    """state.pt of the checkpoint at `rel`, checked against its manifest."""
+    data = storage.read(f"{rel}/{STATE}" if rel else STATE)
+    expected = manifest["files"][STATE]
+    if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise ValueError("is corrupt: its state.pt differs in size or checksum from its manifest")
+    return data
+
+
+def load_checkpoint_dir(uri: str) -> tuple[Committed, bytes]:
+    """A checkpoint named by its own directory (run.resume: PATH)."""
+    storage = Storage(uri)
+    try:
+        manifest = json.loads(storage.read(MARKER))
+    except (OSError, FileNotFoundError):
+        raise FileNotFoundError(f"{uri} holds no committed checkpoint (no {MARKER} marker)") from None
+    return Committed(manifest["step"], uri.rstrip("/").rsplit("/", 1)[-1], manifest), read_verified(storage, "", manifest)
+
+
+class Checkpoints:
+    """Lists, validates, loads, writes and prunes the checkpoints of one run."""
+
+    def __init__(self, storage: Storage, run_name: str, cfg: CheckpointConfig):
+        self.storage, self.cfg = storage, cfg
+        self.prefix = f"{run_name}/checkpoints"
+
+    # ------------------------------------------------------------------ reading
+
+    def committed(self) -> list[Committed]:
+        """Checkpoints whose marker exists, oldest first (partial writes are invisible)."""
+        found = []
+        for name in self.storage.list_dirs(self.prefix):
+            marker = f"{self.prefix}/{name}/{MARKER}"
+            if name.startswith("step-") and self.storage.exists(marker):
+                manifest = json.loads(self.storage.read(marker))
+                found.append(Committed(manifest["step"], name, manifest))
+        return sorted(found, key=lambda c: c.step)
+
+    def load_latest(self, warn: Callable[[str], None] = log.warning) -> tuple[Committed, bytes] | None:
+        """The newest checkpoint whose state matches its manifest, as raw bytes; a corrupt
+        one is reported through `warn` and the next older one is tried."""
+        for ckpt in reversed(self.committed()):
+            try:
+                return ckpt, read_verified(self.storage, f"{self.prefix}/{ckpt.name}", ckpt.manifest)
+            except (OSError, ValueError) as exc:
+                warn(f"checkpoint {ckpt.name} {exc}; falling back to an older one")
+        return None
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Committed:
+        """Serialise, write, then commit with the marker; then apply retention."""
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        name = checkpoint_name(step)
+        self.storage.write(f"{self.prefix}/{name}/{STATE}", data)
+        manifest = {
+            "step": step,
+            "time": time.time(),
+            "files": {STATE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+            "metrics": metrics,
+        }
+        self.storage.write(f"{self.prefix}/{name}/{MARKER}", json.dumps(manifest).encode())
+        self.prune()
+        return Committed(step, name, manifest)
+
+    def prune(self) -> list[str]:
+        """Keep the newest keep_last and the best keep_best.k; never the newest one."""
+        ckpts = self.committed()
+        keep = {c.name for c in ckpts[-self.cfg.keep_last:]}
+        best = self.cfg.keep_best
+        if best is not None:
+            scored = [c for c in ckpts if best.metric in c.manifest.get("metrics", {})]
+            scored.sort(key=lambda c: c.manifest["metrics"][best.metric], reverse=best.mode == "max")
+            keep |= {c.name for c in scored[: best.k]}
+        deleted = [c.name for c in ckpts if c.name not in keep]
+        for name in deleted:
+            # The marker goes first: a half-deleted checkpoint must not look committed.
+            self.storage.fs.delete_file(self.storage.path(f"{self.prefix}/{name}/{MARKER}"))
+            self.storage.delete_dir(f"{self.prefix}/{name}")
+        return deleted
+
+
+def to_cpu(obj: Any) -> Any:
+    """A deep copy of a state tree with every tensor copied to CPU (the snapshot an
+    asynchronous save writes while training goes on)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+class AsyncWriter:
+    """Writes checkpoints on a background thread, one at a time; a new save waits for
+    the previous one, so at most one snapshot is held in memory besides the model."""
+
+    def __init__(self, checkpoints: Checkpoints, on_commit: Callable[[Committed], None],
+                 on_error: Callable[[BaseException], None]):
+        self.checkpoints = checkpoints
+        self.on_commit, self.on_error = on_commit, on_error
+        self._jobs: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._work, name="raytrainer-checkpoint", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, snapshot: dict[str, Any], metrics: dict[str, float]) -> None:
+        self._jobs.join()  # the previous write has finished
+        self._jobs.put((step, snapshot, metrics))
+
+    def wait(self) -> None:
+        self._jobs.join()
+
+    def _work(self) -> None:
+        while True:
+            step, snapshot, metrics = self._jobs.get()
+            try:
+                self.on_commit(self.checkpoints.write(step, snapshot, metrics))
+            except BaseException as exc:  # reported on the training thread
+                self.on_error(exc)
+            finally:
+                self._jobs.task_done()
