@@ -85,9 +85,9 @@ def num_params(block_size: int, d: int, layers: int) -> int:
 
 
 class CharLMTask(Task):
-    def __init__(self, block_size: int = 128, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
-                 max_bytes: int = 2_000_000, val_fraction: float = 0.05, stride: int | None = None,
-                 lr: float = 3e-3, weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.99)):
+    def __init__(self, block_size: int = 128, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                 max_bytes: int = 1_000_000, val_fraction: float = 0.05, stride: int | None = None,
+                 lr: float = 1e-2, weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.99)):
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
         self.block_size, self.d_model, self.n_layers, self.n_heads = block_size, d_model, n_layers, n_heads

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -47,25 +49,43 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         stem = config.task.target.partition(":")[0].rsplit(".", 1)[-1]
         config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     storage = Storage(config.run.storage)
-    # The driver's own files (logs, TensorBoard, model.pt) are written locally: in the run
-    # directory itself on local storage, else in a local mirror uploaded as the run goes.
-    run_dir = (Path(storage.root) if storage.local else Path(tempfile.gettempdir()) / "raytrainer") / config.run.name
+    run_dir = Path(storage.root) / config.run.name if storage.local else _local_mirror(storage, config.run.name)
     resume = _find_resume(config, storage, run_dir)
 
-    started_ray = False
-    if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, logging_level="WARNING")
-        else:
-            ray.init(include_dashboard=False, logging_level="WARNING")
-            started_ray = True
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        # Like ray.init(): RAY_ADDRESS or --address name a cluster; otherwise a Ray started
+        # on this machine with `ray start` is joined, else a local one is started for the run.
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
+                 logging_level="WARNING")
     try:
         return _run(config, storage, run_dir, resume, progress=progress,
-                    cluster_can_grow=not started_ray, callbacks=list(callbacks))
+                    cluster_can_grow=not _started_local_ray(), callbacks=list(callbacks))
     finally:
-        if started_ray:
+        if connected_here:
             ray.shutdown()
+
+
+def _local_mirror(storage: Storage, name: str) -> Path:
+    """The driver writes its files (logs, TensorBoard, model.pt) locally; for remote storage
+    into this mirror, refreshed from the storage and uploaded back as the run goes."""
+    digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:12]
+    mirror = Path(tempfile.gettempdir()) / "raytrainer" / digest / name
+    shutil.rmtree(mirror, ignore_errors=True)
+    mirror.mkdir(parents=True)
+    for file in ("config.yaml", "metrics.jsonl", "events.jsonl"):  # a resumed run appends
+        if storage.exists(f"{name}/{file}"):
+            (mirror / file).write_bytes(storage.read(f"{name}/{file}"))
+    return mirror
+
+
+def _started_local_ray() -> bool:
+    """Whether this process started the Ray it is connected to (so no autoscaler can add
+    capacity, and Ray's own fate-sharing stops it if this process is killed)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(node is not None and node.head)
 
 
 def _find_resume(config: Config, storage: Storage, run_dir: Path) -> tuple[int, str, bytes] | None:

@@ -1,8 +1,9 @@
-"""Command line: `raytrainer train CONFIG [--set section.key=value ...]`."""
+"""Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import ConfigError, RaytrainerError
@@ -21,7 +22,23 @@ def _parser() -> argparse.ArgumentParser:
                        help="debug: N training steps (default 2) and N validation batches, then stop")
     train.add_argument("--overfit-batches", type=int, metavar="N",
                        help="debug: train on the same first N global batches every epoch")
+    resume = sub.add_parser("resume", help="continue a run from its newest committed checkpoint")
+    resume.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535")
+    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set scaling.num_workers=1 (repeatable)")
+    resume.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    resume.add_argument("--no-progress", action="store_true", help="do not print the progress line")
     return parser
+
+
+def _resume_source(run_dir: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """The run's own config.yaml, pointed back at the run directory, resume on."""
+    path = run_dir.rstrip("/")
+    storage, _, name = path.rpartition("/")
+    if not name or not os.path.isfile(os.path.join(path, "config.yaml")):
+        raise ConfigError(f"{run_dir!r} is not a run directory (it has no config.yaml)")
+    return os.path.join(path, "config.yaml"), [
+        f"run.storage={storage or '.'}", f"run.name={name}", "run.resume=auto", *overrides]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     from .api import train
 
     for flag in ("fast_dev_run", "overfit_batches"):
-        if getattr(args, flag) is not None:
+        if getattr(args, flag, None) is not None:
             args.overrides.append(f"trainer.{flag}={getattr(args, flag)}")
     try:
+        if args.command == "resume":
+            args.config, args.overrides = _resume_source(args.run_dir, args.overrides)
         result = train(args.config, args.overrides, address=args.address, progress=not args.no_progress)
     except ConfigError as exc:
         print(f"raytrainer: config error: {exc}", file=sys.stderr)

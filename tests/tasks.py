@@ -12,14 +12,16 @@ class RegressionTask(Task):
     """A tiny MLP regressing a fixed random linear map; deterministic data on every worker."""
 
     def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
-                 no_loss=False, val_batch_metric=False):
+                 no_loss=False, dropout=0.0, record=None, sleep_s=0.0):
         self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
         self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
         self.no_loss = no_loss
+        self.dropout, self.record, self.sleep_s = dropout, record, sleep_s
         self.steps = 0
 
     def build_model(self):
-        return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(self.dropout),
+                                   torch.nn.Linear(16, 1))
 
     def build_optimizer(self, model):
         return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
@@ -37,8 +39,17 @@ class RegressionTask(Task):
         return self._data(self.val_samples, 2) if self.val_samples else None
 
     def train_step(self, model, batch):
-        x, y, _ = batch
+        x, y, index = batch
         self.steps += 1
+        if self.record:  # every sample index this rank trains on, one line per micro-batch
+            import torch.distributed as dist
+
+            with open(f"{self.record}.{dist.get_rank()}", "a") as f:
+                f.write(" ".join(map(str, index.tolist())) + "\n")
+        if self.sleep_s:
+            import time
+
+            time.sleep(self.sleep_s)
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             import torch.distributed as dist
 
@@ -73,6 +84,7 @@ class FeatureTask(RegressionTask):
     def build_model(self):
         layers = [torch.nn.BatchNorm1d(4, momentum=1.0)] if self.batchnorm else []
         return torch.nn.Sequential(*layers, torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
 
     def build_optimizer(self, model):
         return torch.optim.SGD(model.parameters(), lr=0.0 if self.frozen else self.lr)

@@ -47,7 +47,7 @@ def test_two_workers_write_the_run_directory(ray_local, tmp_path):
     assert events[1]["world_size"] == 2
     assert events[2]["step"] == 16 and (run / "checkpoints" / "step-00000016" / "COMMITTED").is_file()
     weights = torch.load(run / "model.pt", weights_only=True)
-    assert set(weights) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     assert_no_leaks()
 
 

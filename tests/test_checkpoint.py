@@ -1,0 +1,196 @@
+"""Checkpoints: atomic commit, corruption fallback, retention, S3, exact resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import raytrainer
+from raytrainer.checkpoint import Checkpoints, Storage
+from raytrainer.config import CheckpointConfig, KeepBestConfig
+
+from .conftest import ROOT, assert_no_leaks
+
+
+def store(tmp_path, **cfg):
+    return Checkpoints(Storage(str(tmp_path)), "run", CheckpointConfig(**cfg))
+
+
+def state(step):
+    return {"model": {"w": torch.full((3,), float(step))}, "loop": {"step": step}}
+
+
+def loaded_step(found):
+    ckpt, data = found
+    import io
+
+    return ckpt.step, torch.load(io.BytesIO(data), weights_only=True)["loop"]["step"]
+
+
+def test_a_checkpoint_without_its_marker_is_invisible(tmp_path):
+    ckpts = store(tmp_path, keep_last=5)
+    ckpts.write(2, state(2), {})
+    # A kill during the write of step 4: its state.pt is (half) there, the marker is not.
+    partial = tmp_path / "run" / "checkpoints" / "step-00000004"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"\x80half a pickle")
+    assert [c.step for c in ckpts.committed()] == [2]
+    assert loaded_step(ckpts.load_latest()) == (2, 2)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path):
+    ckpts = store(tmp_path, keep_last=5)
+    for step in (2, 4, 6):
+        ckpts.write(step, state(step), {})
+    newest = tmp_path / "run" / "checkpoints" / "step-00000006" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # truncated
+    warnings = []
+    assert loaded_step(ckpts.load_latest(warn=warnings.append)) == (4, 4)
+    assert len(warnings) == 1 and "step-00000006 is corrupt" in warnings[0]
+
+
+def test_retention_keeps_the_last_and_the_best(tmp_path):
+    ckpts = store(tmp_path, keep_last=2, keep_best=KeepBestConfig(metric="val_loss", mode="min", k=2))
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.2, 5: 0.8, 6: 0.7}
+    for step, loss in losses.items():
+        ckpts.write(step, state(step), {"val_loss": loss})
+    assert [c.step for c in ckpts.committed()] == [2, 4, 5, 6]  # best two: 4, 2; last two: 5, 6
+    plain = Checkpoints(Storage(str(tmp_path)), "plain", CheckpointConfig(keep_last=1))
+    for step in range(1, 4):
+        plain.write(step, state(step), {})
+    assert [c.step for c in plain.committed()] == [3]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A real S3-protocol server (moto's) on loopback, and the environment AWS tools read."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import pyarrow.fs as pafs
+
+    pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"], allow_bucket_creation=True).create_dir("bucket")
+    yield env
+    for key, value in saved.items():
+        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    server.stop()
+
+
+def test_s3_round_trip(s3_server):
+    ckpts = Checkpoints(Storage("s3://bucket/runs"), "s3run", CheckpointConfig(keep_last=2))
+    for step in (1, 2, 3):
+        ckpts.write(step, state(step), {"loss": 1.0 / step})
+    assert [c.step for c in ckpts.committed()] == [2, 3]
+    assert loaded_step(ckpts.load_latest()) == (3, 3)
+
+
+def test_a_run_on_s3_storage(s3_server, tmp_path):
+    """The whole path: workers write checkpoints to S3, the driver uploads its files."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrainer", "train", "configs/linear.yaml", "--no-progress",
+         "--set", "trainer.max_steps=6", "--set", "scaling.num_workers=1",
+         "--set", "run.storage=s3://bucket/runs", "--set", "run.name=full",
+         "--set", "checkpoint.every_n_steps=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **s3_server},
+    )
+    assert proc.returncode == 0, proc.stderr
+    storage = Storage("s3://bucket/runs")
+    assert [c.step for c in Checkpoints(storage, "full", CheckpointConfig()).committed()] == [3, 6]
+    for name in ("config.yaml", "metrics.jsonl", "events.jsonl", "model.pt"):
+        assert storage.exists(f"full/{name}"), name
+    rows = storage.read("full/metrics.jsonl").decode().splitlines()
+    assert json.loads(rows[-1])["step"] == 6
+
+
+def config(tmp_path, name, **sections):
+    cfg = {
+        "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.2}},
+        "trainer": {"max_epochs": 2, "global_batch_size": 32, "log_every_n_steps": 4},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every_n_steps": 3, "keep_last": 10},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+    for section, values in sections.items():
+        cfg[section].update(values)
+    return cfg
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def test_resume_with_another_world_size_repeats_and_skips_no_sample(ray_local, tmp_path):
+    record = str(tmp_path / "seen")
+    task = {"args": {"record": record}}
+    raytrainer.train(config(tmp_path, "reshard", task=task, trainer={"max_steps": 5}), progress=False)
+    result = raytrainer.train(config(tmp_path, "reshard", task=task, scaling={"num_workers": 1},
+                                     trainer={"max_steps": 16, "micro_batch_size": 8}), progress=False)
+    resumed = [e for e in result.events if e["event"] == "resumed"]
+    assert resumed and resumed[0]["step"] == 5
+    def lines(rank):
+        with open(f"{record}.{rank}") as f:
+            return [[int(i) for i in line.split()] for line in f]
+
+    rank0, rank1 = lines(0), lines(1)
+    # Before the resume: steps 1-5, one micro-batch of 16 per rank. After it: one worker,
+    # micro-batches of 8 (4 per step): steps 6-8 finish epoch 0, steps 9-16 are epoch 1.
+    assert len(rank1) == 5 and len(rank0) == 5 + 4 * 11
+    epoch0 = sum(rank0[:5] + rank1 + rank0[5:17], [])
+    epoch1 = sum(rank0[17:], [])
+    for seen in (epoch0, epoch1):  # every sample exactly once per epoch
+        assert len(seen) == 256 and set(seen) == set(range(256))
+    assert [r["world_size"] for r in result.history if r["step"] in (5, 6)] == [1]  # step 6 on 1 worker
+    assert_no_leaks()
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(ray_local, tmp_path):
+    raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 6}), progress=False)
+    newest = tmp_path / "corrupt" / "checkpoints" / "step-00000006" / "state.pt"
+    newest.write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning, match="step-00000006 is corrupt"):
+        result = raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 8}), progress=False)
+    assert [e["step"] for e in result.events if e["event"] == "resumed"] == [3]
+
+
+def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
+    task = {"args": {"dropout": 0.2, "sleep_s": 0.05}}
+    trainer = {"max_epochs": 8}  # 64 steps of >= 50 ms: the kill lands well before the end
+    reference = raytrainer.train(config(tmp_path, "reference", task=task, trainer=trainer), progress=False)
+
+    cfg = config(tmp_path, "killed", task=task, trainer=trainer)
+    path = tmp_path / "killed.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    driver = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", str(path), "--no-progress"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    events = tmp_path / "killed" / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        lines = events.read_text().splitlines() if events.exists() else []
+        if sum('"checkpoint_committed"' in line for line in lines) >= 2:
+            break
+        assert driver.poll() is None, driver.stderr.read()
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run
+
+    proc = subprocess.run([sys.executable, "-m", "raytrainer", "resume", str(tmp_path / "killed"),
+                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    log = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["event"] for e in log].count("resumed") == 1
+    a, b = weights(reference.run_dir), weights(tmp_path / "killed")
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the undisturbed run"
