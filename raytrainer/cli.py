@@ -17,11 +17,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set trainer.max_epochs=3 (repeatable)")
     train.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     train.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+    bench = sub.add_parser("bench", help="time raytrainer against raw torch DDP and Ray Train")
+    from .bench import add_arguments
+
+    add_arguments(bench)
+    plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/digits-*")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one run, plot.png for several)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("bench", "plot"):
+        return _run_tool(args)
     from .api import train
 
     try:
@@ -40,6 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"finished {result.run_dir}: step {m.get('step')}, epoch {m.get('epoch', 0) + 1}")
     print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
     return 0
+
+
+def _run_tool(args: argparse.Namespace) -> int:
+    try:
+        if args.command == "bench":
+            from .bench import main as bench
+
+            return bench(args)
+        from .plot import plot_runs
+
+        print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
+        return 0
+    except ConfigError as exc:
+        print(f"raytrainer {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except RaytrainerError as exc:
+        print(f"raytrainer {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
