@@ -413,6 +413,8 @@ def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path) -> dict[str, Any]:
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
            json.dumps(asdict(spec)), str(result_path)]
+    # Other work on the machine skews every figure: keep the load next to each run.
+    load_before = os.getloadavg()[0]
     with open(log_path, "w") as log:
         launched = time.time()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -431,7 +433,7 @@ def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path) -> dict[str, Any]:
     result = json.loads(result_path.read_text())
     if not result.get("step_times"):
         raise BenchError(f"bench contender {LABELS[name]} recorded no step")
-    result.update(contender=name, repetition=rep, launched=launched,
+    result.update(contender=name, repetition=rep, launched=launched, load_before=load_before,
                   warmup_fraction=spec.warmup_fraction)
     return result
 
