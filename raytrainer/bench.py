@@ -488,7 +488,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
                 run.pop("run_dir", None)  # inside the temporary directory
                 runs.append(run)
     report = {
-        "command": "raytrainer bench " + " ".join(_spec_args(spec)),
+        "command": " ".join(["raytrainer bench", *_spec_args(spec)]),
         "machine": machine(),
         "settings": asdict(spec),
         "contenders": LABELS,

@@ -67,6 +67,9 @@ def _run_tool(args: argparse.Namespace) -> int:
     except RaytrainerError as exc:
         print(f"raytrainer {args.command}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the bench has stopped its contender on the way out
+        print(f"raytrainer {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
