@@ -24,6 +24,7 @@ the contender scenario produce it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -473,10 +474,14 @@ def machine() -> dict[str, Any]:
 
 
 def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[str], None] = print,
-              workdir: str | Path | None = None) -> dict[str, Any]:
-    """Run every contender `spec.repetitions` times, interleaved; return (and write) the report."""
+              keep_in: str | Path | None = None) -> dict[str, Any]:
+    """Run every contender `spec.repetitions` times, interleaved; return (and write) the report.
+
+    The contenders' logs and run directories go to a temporary directory, or are
+    kept in `keep_in` (raytrainer's run directory is then in each run's "run_dir")."""
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="raytrainer-bench-", dir=workdir) as tmp:
+    with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
+          else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp:
         runs = []
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
@@ -485,7 +490,8 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
                 run = _launch(name, spec, rep, Path(tmp))
                 log(f"bench:   first step after {_start_to_first_step(run):.2f} s, "
                     f"{_steady_steps_per_s(run):.1f} steps/s")
-                run.pop("run_dir", None)  # inside the temporary directory
+                if keep_in is None:
+                    run.pop("run_dir", None)  # about to be deleted
                 runs.append(run)
     report = {
         "command": " ".join(["raytrainer bench", *_spec_args(spec)]),

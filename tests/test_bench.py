@@ -12,6 +12,9 @@ import pytest
 from raytrainer import bench
 from raytrainer.cli import main
 from raytrainer.errors import ConfigError
+from raytrainer.plot import plot_runs
+
+from .test_plot import expected_shape, read_png
 
 
 @pytest.fixture
@@ -46,14 +49,14 @@ def assert_nothing_left(tag, timeout_s=20.0):
     assert not left, f"left running: {left}"
 
 
-def test_smoke_bench_reports_every_figure(tmp_path, tagged, capsys):
+def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--smoke", "--out", str(out)]) == 0
+    smoke = bench.BenchSpec(**bench.SMOKE)
+    bench.run_bench(smoke, out=out, keep_in=tmp_path / "work")
     report = json.loads(out.read_text())
-    printed = capsys.readouterr().out
+    printed = bench.format_table(report)
     assert_nothing_left(tagged)
 
-    smoke = bench.BenchSpec(**bench.SMOKE)
     assert report["settings"]["steps"] == smoke.steps and report["settings"]["repetitions"] == 1
     # One run per contender, each with one timestamp per step: every step's metrics arrived.
     runs = {r["contender"]: r for r in report["runs"]}
@@ -81,6 +84,11 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged, capsys):
     # The printed table has a row per figure; unmeasured rows say why instead of a number.
     assert printed.count("not measured (needs fault tolerance)") == 2
     assert sum(line.startswith("| ") for line in printed.splitlines()) == 1 + len(bench.FIGURES)
+
+    # raytrainer's run is a real finished run directory: plot it.
+    plot = plot_runs([runs["raytrainer"]["run_dir"]], tmp_path / "run.png")
+    assert plot.panels == ["loss", "learning rate", "throughput", "world size"]
+    assert read_png(plot.path).shape[:2] == expected_shape(4)
 
 
 def test_a_contender_past_its_timeout_is_stopped_with_everything_it_started(tmp_path, tagged):
