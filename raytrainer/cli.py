@@ -1,4 +1,5 @@
-"""Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`."""
+"""Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`,
+`raytrainer bench`, `raytrainer plot RUN_DIR ...`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, e.g. --set scaling.num_workers=1 (repeatable)")
     resume.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     resume.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+    bench = sub.add_parser("bench", help="time raytrainer against raw torch DDP and Ray Train")
+    from .bench import add_arguments
+
+    add_arguments(bench)
+    plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/digits-*")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one run, plot.png for several)")
     return parser
 
 
@@ -43,28 +51,46 @@ def _resume_source(run_dir: str, overrides: list[str]) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    prefix = "raytrainer" if args.command in ("train", "resume") else f"raytrainer {args.command}"
+    try:
+        return {"train": _train, "resume": _train, "bench": _bench, "plot": _plot}[args.command](args)
+    except ConfigError as exc:
+        print(f"{prefix}: config error: {exc}", file=sys.stderr)
+        return 2
+    except RaytrainerError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # workers and bench contenders are stopped on the way out
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
     from .api import train
 
     for flag in ("fast_dev_run", "overfit_batches"):
         if getattr(args, flag, None) is not None:
             args.overrides.append(f"trainer.{flag}={getattr(args, flag)}")
-    try:
-        if args.command == "resume":
-            args.config, args.overrides = _resume_source(args.run_dir, args.overrides)
-        result = train(args.config, args.overrides, address=args.address, progress=not args.no_progress)
-    except ConfigError as exc:
-        print(f"raytrainer: config error: {exc}", file=sys.stderr)
-        return 2
-    except RaytrainerError as exc:
-        print(f"raytrainer: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("raytrainer: interrupted; workers stopped", file=sys.stderr)
-        return 130
+    if args.command == "resume":
+        args.config, args.overrides = _resume_source(args.run_dir, args.overrides)
+    result = train(args.config, args.overrides, address=args.address, progress=not args.no_progress)
     m = result.metrics
     shown = {k: v for k, v in m.items() if k not in ("step", "epoch", "world_size", "time")}
     print(f"finished {result.run_dir}: step {m.get('step')}, epoch {m.get('epoch', 0) + 1}")
     print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench
+
+    return bench(args)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
     return 0
 
 

@@ -1,0 +1,634 @@
+"""`raytrainer bench`: raytrainer against raw torch DDP (the floor) and Ray Train (the peer).
+
+Every contender trains the same job (an MLP regressing a fixed random linear map,
+the same seeded data, global batch and per-epoch sample order, SGD, Gloo on CPU,
+one intra-op thread per rank) in a fresh subprocess,
+
+    python -m raytrainer.bench _contender NAME SPEC_JSON RESULT_JSON
+
+so "process start to first finished step" includes everything a user waits for:
+the interpreter, imports, starting Ray, starting the workers, forming the group.
+Each contender records the wall-clock time at the end of every optimizer step on
+rank 0 (raytrainer: the `time` of its metrics.jsonl rows), and every step's
+metrics travel to the driver, so steps/s is measured with that cost included.
+
+Repetitions are interleaved (raw, Ray Train, raytrainer, then rotated) so a
+slow minute on the machine does not land on one contender. Medians are reported.
+
+Figures that need features not built yet (fault tolerance, elastic resizing,
+checkpoints) are rows marked "not measured (needs ...)": to add one, give its
+Figure an `extract` that reads the value out of a contender's result and make
+the contender scenario produce it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError, RaytrainerError
+from .task import Task
+
+CONTENDERS = ("raw", "ray_train", "raytrainer")
+LABELS = {"raw": "raw DDP", "ray_train": "Ray Train", "raytrainer": "raytrainer"}
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class BenchError(RaytrainerError):
+    """A contender failed or timed out; the message carries the tail of its log."""
+
+
+# --------------------------------------------------------------------------- settings
+
+@dataclass(kw_only=True)
+class BenchSpec:
+    workers: int = 2
+    hidden: int = 256
+    """Width of the MLP's hidden layers."""
+    layers: int = 2
+    """Number of hidden layers."""
+    in_dim: int = 32
+    global_batch_size: int = 64
+    samples: int = 4096
+    steps: int = 300
+    """Optimizer steps for raw DDP and raytrainer."""
+    ray_train_steps: int = 20
+    """Ray Train's report() waits for its controller's 2 s poll, so it manages about
+    0.5 steps/s; 300 steps would take 10 minutes per repetition for the same rate."""
+    repetitions: int = 3
+    warmup_fraction: float = 0.1
+    """Leading share of the steps left out of steps/s (allocator, caches, first collectives)."""
+    timeout_s: float = 600.0
+    """Per contender run; a run past it is killed and the bench fails."""
+    seed: int = 0
+    checkpoint_mb: int = 64
+    """Model size for the checkpoint-stall figures (optimizer state adds twice as much)."""
+
+    def __post_init__(self):
+        for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
+                    "steps", "ray_train_steps", "repetitions", "checkpoint_mb"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
+        for key in ("steps", "ray_train_steps"):
+            if getattr(self, key) < 2:
+                raise ConfigError(f"bench --{key.replace('_', '-')} must be >= 2 to measure a rate")
+        if self.global_batch_size % self.workers:
+            raise ConfigError(
+                f"bench --global-batch-size={self.global_batch_size} must be a multiple of "
+                f"--workers={self.workers}"
+            )
+        if self.samples < self.global_batch_size:
+            raise ConfigError(f"bench --samples={self.samples} must be >= --global-batch-size")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError("bench warmup_fraction must be in [0, 1)")
+        if self.timeout_s <= 0:
+            raise ConfigError("bench --timeout-s must be > 0")
+
+    def steps_for(self, contender: str) -> int:
+        return self.ray_train_steps if contender == "ray_train" else self.steps
+
+
+SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
+             checkpoint_mb=4)
+
+
+# --------------------------------------------------------------------------- the job
+
+def build_mlp(spec: dict[str, Any]):
+    import torch
+
+    dims = [spec["in_dim"]] + [spec["hidden"]] * spec["layers"]
+    layers: list[Any] = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(dims[-1], 1))
+
+
+def make_data(spec: dict[str, Any]):
+    import torch
+
+    g = torch.Generator().manual_seed(spec["seed"])
+    x = torch.randn(spec["samples"], spec["in_dim"], generator=g)
+    w = torch.randn(spec["in_dim"], 1, generator=g)
+    return x, x @ w + 0.1 * torch.randn(spec["samples"], 1, generator=g)
+
+
+def make_optimizer(model):
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+class BenchTask(Task):
+    """The bench job as a raytrainer task; workers import it as raytrainer.bench:BenchTask."""
+
+    def __init__(self, **spec):
+        self.spec = spec
+
+    def build_model(self):
+        return build_mlp(self.spec)
+
+    def build_optimizer(self, model):
+        return make_optimizer(model)
+
+    def train_dataset(self):
+        from torch.utils.data import TensorDataset
+
+        return TensorDataset(*make_data(self.spec))
+
+    def train_step(self, model, batch):
+        import torch
+
+        x, y = batch
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+
+
+def _rank_batch(spec: dict[str, Any], x, y, step: int, rank: int, world: int):
+    """This rank's share of optimizer step `step`: raytrainer's sample order, so all
+    three contenders see the same samples in the same order."""
+    from .data import BatchPlan
+
+    per_rank = spec["global_batch_size"] // world
+    plan = BatchPlan(spec["samples"], spec["global_batch_size"], per_rank, world, spec["seed"])
+    epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+    (index,) = plan.micro_batches(epoch, in_epoch, rank)
+    return x[index], y[index]
+
+
+# --------------------------------------------------------------------------- contenders
+# Each runs in its own process (see _contender_main) and returns a dict with
+# "step_times" (wall clock after each optimizer step on rank 0) and "phases"
+# (wall-clock marks for the profile of the start-up).
+
+def _run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from .dist import free_port
+
+    phases = {"torch_imported": time.time()}
+    ctx = mp.get_context("spawn")
+    metrics = ctx.Queue()
+    procs = mp.start_processes(_raw_worker, args=(spec, free_port(), metrics), nprocs=spec["workers"],
+                               join=False, start_method="spawn")
+    phases["workers_spawned"] = time.time()
+    rows, done = [], False
+    try:
+        # The driver reads every step's loss as it arrives, as a real launcher's logger would.
+        while not done:
+            try:
+                item = metrics.get(timeout=0.2)
+            except queue.Empty:
+                if procs.join(timeout=0):  # all exited without saying done: cannot happen unless killed
+                    break
+                continue
+            if item[0] == "step":
+                rows.append(item[1:])
+            elif item[0] == "phase":
+                phases[item[1]] = item[2]
+            else:
+                done = True
+        while not procs.join(timeout=1):
+            pass
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if not done:
+        raise BenchError("raw DDP workers exited before finishing")
+    return {"step_times": [t for _, _, t in rows], "last_loss": rows[-1][1], "phases": phases,
+            "threads": phases.pop("threads", None)}
+
+
+def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = spec["workers"]
+    torch.set_num_threads(1)  # as Ray does for a 1-CPU actor (OMP_NUM_THREADS=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            metrics.put(("phase", "group_formed", time.time()))
+            metrics.put(("phase", "threads", torch.get_num_threads()))
+        torch.manual_seed(spec["seed"])
+        model = DistributedDataParallel(build_mlp(spec))
+        optimizer = make_optimizer(model)
+        x, y = make_data(spec)
+        for step in range(spec["steps"]):
+            xb, yb = _rank_batch(spec, x, y, step, rank, world)
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if rank == 0:
+                value = loss.item()
+                metrics.put(("step", step + 1, value, time.time()))
+        if rank == 0:
+            metrics.put(("done",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    phases = {"ray_train_imported": time.time()}
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    phases["ray_started"] = time.time()
+    try:
+        times_file = work / "ray_train_steps.json"
+        trainer = TorchTrainer(
+            _ray_train_loop,
+            train_loop_config={"spec": spec, "times_file": str(times_file)},
+            scaling_config=ScalingConfig(num_workers=spec["workers"], use_gpu=False),
+            run_config=RunConfig(name="bench", storage_path=str(work / "ray_train_storage")),
+        )
+        trainer.fit()
+        out = json.loads(times_file.read_text())
+        out["phases"].update(phases)
+        return out
+    finally:
+        ray.shutdown()
+
+
+def _ray_train_loop(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    spec = config["spec"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    phases = {"loop_started": time.time()}
+    torch.manual_seed(spec["seed"])
+    model = ray.train.torch.prepare_model(build_mlp(spec))  # DDP over the group Ray Train formed
+    optimizer = make_optimizer(model)
+    x, y = make_data(spec)
+    times, loss_value = [], None
+    for step in range(spec["ray_train_steps"]):
+        xb, yb = _rank_batch(spec, x, y, step, rank, world)
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.time())
+        loss_value = loss.item()
+        ray.train.report({"loss": loss_value, "step": step + 1})  # to the driver, every step
+    if rank == 0:
+        Path(config["times_file"]).write_text(json.dumps(
+            {"step_times": times, "last_loss": loss_value, "phases": phases,
+             "threads": torch.get_num_threads()}))
+
+
+def _run_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    from .api import train
+
+    config = {
+        "task": {"target": "raytrainer.bench:BenchTask", "args": spec},
+        "trainer": {"max_steps": spec["steps"], "global_batch_size": spec["global_batch_size"],
+                    "seed": spec["seed"], "log_every_n_steps": 1},  # every step's metrics to the driver
+        "scaling": {"num_workers": spec["workers"], "use_gpu": False, "backend": "gloo"},
+        "run": {"name": "bench", "storage": str(work)},
+    }
+    result = train(config, progress=False)
+    rows = [r for r in result.history if "loss" in r]
+    phases = {f"event_{e['event']}": e["time"] for e in result.events}
+    return {"step_times": [r["time"] for r in rows], "last_loss": rows[-1]["loss"], "phases": phases,
+            "run_dir": str(result.run_dir)}
+
+
+RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
+    "raw": _run_raw, "ray_train": _run_ray_train, "raytrainer": _run_raytrainer,
+}
+
+
+def _contender_main(name: str, spec_json: str, result_path: str) -> int:
+    # SIGTERM from the parent (timeout, Ctrl-C) unwinds through the finally blocks
+    # above, so the Ray this process started is shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    entered = time.time()  # the interpreter is up and raytrainer imported
+    spec = json.loads(spec_json)
+    work = Path(result_path).parent / f"{name}-work"
+    work.mkdir(parents=True, exist_ok=True)
+    out = RUNNERS[name](spec, work)
+    out["phases"]["contender_main"] = entered
+    Path(result_path).write_text(json.dumps(out))
+    return 0
+
+
+# --------------------------------------------------------------------------- figures
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    title: str
+    unit: str
+    better: str  # "lower" | "higher"
+    contenders: tuple[str, ...]
+    extract: Callable[[dict[str, Any]], float] | None
+    """Value of one contender run; None while the figure cannot be measured yet."""
+    needs: str | None = None
+    target: str | None = None
+    target_check: Callable[[dict[str, float]], bool] | None = None
+
+
+def _start_to_first_step(run: dict[str, Any]) -> float | None:
+    if "step_times" not in run:
+        return None  # not a training run (e.g. the checkpoint-stall measurement)
+    return run["step_times"][0] - run["launched"]
+
+
+def _steady_steps_per_s(run: dict[str, Any]) -> float | None:
+    if "step_times" not in run:
+        return None
+    times = run["step_times"]
+    skip = min(int(len(times) * run["warmup_fraction"]), len(times) - 2)
+    window = times[skip:]
+    return (len(window) - 1) / max(window[-1] - window[0], 1e-9)
+
+
+FIGURES = (
+    Figure("start_to_first_step_s", "process start to first finished step", "s", "lower",
+           CONTENDERS, _start_to_first_step, target="<= 1.5x raw DDP",
+           target_check=lambda r: r["raytrainer/raw"] <= 1.5),
+    Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
+           "higher", CONTENDERS, _steady_steps_per_s, target=">= 0.95x raw DDP",
+           target_check=lambda r: r["raytrainer/raw"] >= 0.95),
+    Figure("kill_to_first_step_s", "worker SIGKILL to first step after recovery", "s", "lower",
+           ("ray_train", "raytrainer"), None, needs="fault tolerance",
+           target="<= 5 s and <= 0.25x Ray Train"),
+    Figure("steps_lost", "steps lost to a worker SIGKILL", "steps", "lower",
+           ("ray_train", "raytrainer"), None, needs="fault tolerance", target="<= 1"),
+    Figure("grow_pause_s", "pause to grow the group by one worker", "s", "lower",
+           ("ray_train", "raytrainer"), None, needs="elastic resizing"),
+    Figure("checkpoint_stall_sync_s", "training stall per checkpoint, sync", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s")),
+    Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s")),
+)
+
+
+def measure_checkpoint_stall(model_mb: int, work: Path) -> dict[str, Any]:
+    """How long a training step is blocked by one checkpoint of a model of `model_mb` MB
+    with Adam-like optimizer state: the whole write when synchronous, the copy off the
+    device when asynchronous (measured with the previous write finished, as in training)."""
+    import torch
+
+    from .checkpoint import AsyncWriter, Checkpoints, Storage, to_cpu
+    from .config import CheckpointConfig
+
+    n = model_mb * 2**20 // 4
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {"w": torch.randn(n, generator=gen)},
+             "optimizer": {"exp_avg": torch.randn(n, generator=gen), "exp_avg_sq": torch.rand(n, generator=gen)}}
+    ckpts = Checkpoints(Storage(str(work)), "stall", CheckpointConfig(keep_last=1))
+    errors: list[BaseException] = []
+    writer = AsyncWriter(ckpts, lambda committed: None, errors.append)
+    t0 = time.perf_counter()
+    ckpts.write(1, state, {})
+    sync = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    writer.submit(2, to_cpu(state), {})
+    stall = time.perf_counter() - t0
+    writer.wait()
+    if errors:
+        raise BenchError(f"the asynchronous checkpoint write failed: {errors[0]}")
+    return {"contender": "raytrainer", "checkpoint_stall_sync_s": sync, "checkpoint_stall_async_s": stall,
+            "checkpoint_bytes": ckpts.committed()[-1].manifest["files"]["state.pt"]["size"]}
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per figure: per-contender values and medians, ratios, target."""
+    out = []
+    for fig in FIGURES:
+        entry: dict[str, Any] = {"key": fig.key, "title": fig.title, "unit": fig.unit,
+                                 "better": fig.better, "contenders": list(fig.contenders),
+                                 "target": fig.target}
+        if fig.extract is None:
+            entry.update(status="not measured", reason=f"needs {fig.needs}", values=None,
+                         medians=None, ratios=None, target_met=None)
+            out.append(entry)
+            continue
+        values = {c: [v for r in runs if r["contender"] == c and (v := fig.extract(r)) is not None]
+                  for c in fig.contenders}
+        medians = {c: statistics.median(v) for c, v in values.items() if v}
+        ratios = {f"raytrainer/{c}": medians["raytrainer"] / medians[c]
+                  for c in fig.contenders if c != "raytrainer" and medians.get(c)}
+        met = fig.target_check(ratios) if fig.target_check and "raytrainer/raw" in ratios else None
+        entry.update(status="measured", values=values, medians=medians, ratios=ratios, target_met=met)
+        out.append(entry)
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path) -> dict[str, Any]:
+    """Run one contender in a fresh process; return its result with the launch time."""
+    result_path = tmp / f"{name}-{rep}" / "result.json"
+    result_path.parent.mkdir(parents=True)
+    log_path = result_path.parent / "log.txt"
+    env = dict(os.environ)
+    # Workers (spawned or Ray actors) must import this raytrainer, whatever else is installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
+           json.dumps(asdict(spec)), str(result_path)]
+    # Other work on the machine skews every figure: keep the load next to each run.
+    load_before = os.getloadavg()[0]
+    with open(log_path, "w") as log:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(result_path.parent), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:  # also on Ctrl-C: stop it and everything it started
+            _stop(proc)
+    if rc != 0 or not result_path.exists():
+        why = f"timed out after {spec.timeout_s:g} s" if rc is None else f"exited with status {rc}"
+        tail = log_path.read_text()[-3000:]
+        raise BenchError(f"bench contender {LABELS[name]} {why}; the end of its log "
+                         f"({log_path}):\n{tail}")
+    result = json.loads(result_path.read_text())
+    if not result.get("step_times"):
+        raise BenchError(f"bench contender {LABELS[name]} recorded no step")
+    result.update(contender=name, repetition=rep, launched=launched, load_before=load_before,
+                  warmup_fraction=spec.warmup_fraction)
+    return result
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the contender's session (it shuts its Ray down), then SIGKILL what is left."""
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return  # the whole session is gone
+        if proc.poll() is None:
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            # The contender exited but something it started may linger in its session.
+            time.sleep(0.2 if sig == signal.SIGTERM else 0)
+
+
+def machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__,
+            "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1 (default)")}
+
+
+def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[str], None] = print,
+              keep_in: str | Path | None = None) -> dict[str, Any]:
+    """Run every contender `spec.repetitions` times, interleaved; return (and write) the report.
+
+    The contenders' logs and run directories go to a temporary directory, or are
+    kept in `keep_in` (raytrainer's run directory is then in each run's "run_dir")."""
+    started = time.time()
+    with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
+          else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp:
+        runs = []
+        for rep in range(spec.repetitions):
+            order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
+            for name in order:
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: {LABELS[name]} ...")
+                run = _launch(name, spec, rep, Path(tmp))
+                log(f"bench:   first step after {_start_to_first_step(run):.2f} s, "
+                    f"{_steady_steps_per_s(run):.1f} steps/s")
+                if keep_in is None:
+                    run.pop("run_dir", None)  # about to be deleted
+                runs.append(run)
+            log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
+                f"{spec.checkpoint_mb} MB model ...")
+            runs.append(measure_checkpoint_stall(spec.checkpoint_mb, Path(tmp) / f"stall-{rep}"))
+    report = {
+        "command": " ".join(["raytrainer bench", *_spec_args(spec)]),
+        "machine": machine(),
+        "settings": asdict(spec),
+        "contenders": LABELS,
+        "figures": summarize(runs),
+        "runs": runs,
+        "seconds": round(time.time() - started, 1),
+    }
+    if out is not None:
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _spec_args(spec: BenchSpec) -> list[str]:
+    default = BenchSpec()
+    return [f"--{k.replace('_', '-')} {v}" for k, v in asdict(spec).items()
+            if v != getattr(default, k) and k != "warmup_fraction"]
+
+
+# --------------------------------------------------------------------------- the table
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A Markdown table of medians and ratios (it goes into the README as is)."""
+    head = ["figure", "raw DDP", "Ray Train", "raytrainer", "raytrainer/raw", "raytrainer/Ray Train",
+            "target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fig in report["figures"]:
+        name = f"{fig['title']} ({fig['unit']})"
+        if fig["status"] != "measured":
+            cells = [name] + [f"not measured ({fig['reason']})"] + ["-"] * 4
+        else:
+            med, ratio = fig["medians"], fig["ratios"]
+            cells = [name] + [_fmt(med.get(c)) for c in CONTENDERS] + [
+                _fmt(ratio.get("raytrainer/raw")) + ("x" if "raytrainer/raw" in ratio else ""),
+                _fmt(ratio.get("raytrainer/ray_train")) + ("x" if "raytrainer/ray_train" in ratio else ""),
+            ]
+        target = fig["target"] or ""
+        if fig.get("target_met") is not None:
+            target += " (met)" if fig["target_met"] else " (missed)"
+        lines.append("| " + " | ".join(cells + [target]) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchSpec()
+    parser.add_argument("--workers", type=int, default=d.workers, help="workers per contender (CPU, Gloo)")
+    parser.add_argument("--hidden", type=int, default=d.hidden, help="MLP hidden width")
+    parser.add_argument("--layers", type=int, default=d.layers, help="MLP hidden layers")
+    parser.add_argument("--global-batch-size", type=int, default=d.global_batch_size)
+    parser.add_argument("--samples", type=int, default=d.samples, help="training set size")
+    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (raw DDP, raytrainer)")
+    parser.add_argument("--ray-train-steps", type=int, default=d.ray_train_steps,
+                        help="optimizer steps for Ray Train (its report() paces it at about 0.5 steps/s)")
+    parser.add_argument("--repetitions", type=int, default=d.repetitions)
+    parser.add_argument("--checkpoint-mb", type=int, default=d.checkpoint_mb,
+                        help="model size for the checkpoint-stall figures")
+    parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per contender run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few steps, one repetition, a tiny model: checks the bench works")
+    parser.add_argument("--out", help="also write the report as JSON to this path")
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    keys = ("workers", "hidden", "layers", "global_batch_size", "samples", "steps", "ray_train_steps",
+            "repetitions", "timeout_s", "checkpoint_mb")
+    values = {k: getattr(args, k) for k in keys}
+    if args.smoke:
+        default = BenchSpec()
+        values.update({k: v for k, v in SMOKE.items() if values[k] == getattr(default, k)})
+    return BenchSpec(**values)
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_bench(spec_from_args(args), out=args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    m = report["machine"]
+    print(f"{m['cpu']}, {m['cores']} cores; torch {m['torch']}, ray {m['ray']}; "
+          f"{report['settings']['workers']} CPU workers, Gloo; medians of "
+          f"{report['settings']['repetitions']} repetition(s)")
+    print(format_table(report))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "_contender":
+        # Through the package, not __main__: spawned workers and Ray pickle these
+        # functions by reference to raytrainer.bench.
+        from raytrainer.bench import _contender_main as contender_main
+
+        sys.exit(contender_main(*sys.argv[2:]))
+    sys.exit("usage: raytrainer bench [options]  (python -m raytrainer.bench is for its contenders)")
