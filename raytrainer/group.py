@@ -131,16 +131,21 @@ class RayWorkerGroup:
         if short:
             raise PlacementError(
                 f"{num_workers} workers of {self.bundle} each need {short} in total but "
-                f"{_resources_text()}. Lower scaling.num_workers or "
+                f"{_resources_text(free=False)}. Lower scaling.num_workers or "
                 "scaling.resources_per_worker, or connect to a larger cluster (--address)"
             )
 
 
-def _resources_text() -> str:
-    total, free = ray.cluster_resources(), ray.available_resources()
+def _resources_text(free: bool = True) -> str:
+    """The cluster's schedulable resources, for error messages (placement groups' own
+    bundle resources and node labels left out)."""
+    total = ray.cluster_resources()
     keys = sorted(k for k in total if not k.startswith(("node:", "accelerator_type:"))
-                  and k not in ("memory", "object_store_memory"))
-    return "the cluster has " + ", ".join(f"{k} {free.get(k, 0):g} free of {total[k]:g}" for k in keys)
+                  and "_group_" not in k and k not in ("memory", "object_store_memory"))
+    if not free:
+        return "the cluster has " + ", ".join(f"{k} {total[k]:g}" for k in keys) + " in total"
+    available = ray.available_resources()
+    return "the cluster has " + ", ".join(f"{k} {available.get(k, 0):g} free of {total[k]:g}" for k in keys)
 
 
 def _get(ref: Any, rank: int) -> Any:
