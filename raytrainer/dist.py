@@ -51,8 +51,11 @@ def destroy_group() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
+    """Sum `tensor` over ranks in place (a no-op alone); with async_op, return the work
+    handle to wait on (None when there is nothing to wait for), else the tensor."""
+    work = None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+    return work if async_op else tensor
 

@@ -114,6 +114,7 @@ class Loop:
         self._bad_validations = 0
         # (the row's host-side fields, the step's metrics still on the device)
         self._window: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor, list]] = []  # windows being all-reduced
         self._train_keys: list[str] | None = None
         self._val_keys: list[str] | None = None
         self.latest_metrics: dict[str, float] = {}  # what keep_best ranks checkpoints by
@@ -143,7 +144,7 @@ class Loop:
             every = self.checkpoint_cfg.every_n_steps
             if every and self.step % every == 0 and not self.cfg.fast_dev_run:
                 self.save_checkpoint()
-        self.flush()
+        self.flush(wait=True)
         if not self.cfg.fast_dev_run:
             self.save_checkpoint()  # the end of the run (a no-op if this step is saved)
             if self._writer is not None:
@@ -211,7 +212,7 @@ class Loop:
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
-        self.flush()
+        self.flush(wait=True)
         if self.val_data is None:
             return None
         # EMA weights when on; never the DDP wrapper: its forward adds collectives, and
@@ -240,16 +241,25 @@ class Loop:
         self._last_time = time.perf_counter()  # validation time is not training throughput
         return metrics
 
-    def flush(self) -> None:
-        """Reduce the buffered steps' metrics over ranks (one collective) and report them."""
-        if not self._window:
-            return
-        window, self._window = self._window, []
-        means = (all_reduce_sum(torch.stack([values for _, values in window])) / self.world_size).tolist()
-        keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
-        rows = [{**info, **dict(zip(keys, values))} for (info, _), values in zip(window, means)]
-        self.latest_metrics.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
-        self.report(rows)
+    def flush(self, wait: bool = False) -> None:
+        """Reduce the buffered steps' metrics over ranks and report them, one row per step.
+
+        The all-reduce of a window is started here and collected at the next flush, so
+        training never waits for it (rows reach the driver one window later); `wait`
+        collects everything now (before validation and at the end)."""
+        if self._window:
+            window, self._window = self._window, []
+            values = torch.stack([v for _, v in window])
+            self._pending.append((all_reduce_sum(values, async_op=True), values, window))
+        while self._pending and (wait or len(self._pending) > 1):
+            work, values, window = self._pending.pop(0)
+            if work is not None:
+                work.wait()
+            means = (values / self.world_size).tolist()
+            keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
+            rows = [{**info, **dict(zip(keys, v))} for (info, _), v in zip(window, means)]
+            self.latest_metrics.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
+            self.report(rows)
 
     # ------------------------------------------------------------------ state
 

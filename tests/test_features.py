@@ -52,7 +52,7 @@ def test_fp16_skips_and_counts_an_overflow_step():
     for a, b in zip(before, params(loop.module)):
         assert torch.equal(a, b)
     assert loop.skipped_steps == skipped + 1 and loop.scaler.get_scale() < scale
-    loop.flush()
+    loop.flush(wait=True)
     assert [r["skipped_steps"] for r in rows][-2:] == [skipped, skipped + 1]
 
 
@@ -63,7 +63,7 @@ def test_clipping_caps_the_update_and_logs_the_pre_clip_norm(micro):
         loop = make_loop(FeatureTask(lr=1.0), rows, max_steps=1, grad_clip_norm=clip, micro_batch_size=micro)
         before = params(loop.module)
         loop.train_step(0, 0)
-        loop.flush()
+        loop.flush(wait=True)
         delta = torch.cat([(a - b).flatten() for a, b in zip(before, params(loop.module))])
         return delta.norm().item(), rows
 
