@@ -77,7 +77,7 @@ def _run(config: Config, run_dir: Path, *, progress: bool, cluster_can_grow: boo
     bar = ProgressBar() if progress else None
     sinks = [JsonlWriter(run_dir / "metrics.jsonl"), TensorBoardSink(run_dir)] + ([bar] if bar else [])
     hub = MetricsHub(sinks)
-    group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow)
+    group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow, run_dir=run_dir)
     controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar)
     try:
         weights = controller.run()  # torch.save bytes: the driver never imports torch
