@@ -28,6 +28,7 @@ def head():
         cwd=temp_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )
     env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
+    env["RAYTRAINER_GCS"] = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
         while subprocess.run(["ray", "job", "list"], env=env, capture_output=True).returncode:
@@ -45,7 +46,7 @@ def submit(env, job_id, *overrides):
     return subprocess.run(
         ["ray", "job", "submit", "--working-dir", ".", "--submission-id", job_id, "--",
          "raytrainer", "train", "configs/linear.yaml", "--no-progress",
-         "--set", "scaling.num_workers=1", "--set", "trainer.max_epochs=1", *overrides],
+         "--set", "scaling.num_workers=1", "--set", "trainer.max_steps=8", *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
 
@@ -65,11 +66,25 @@ def test_submitted_run_succeeds_and_writes_the_run_dir(head, tmp_path):
     run = tmp_path / "job"
     assert {"config.yaml", "metrics.jsonl", "events.jsonl", "model.pt"} <= {p.name for p in run.iterdir()}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 64 and "val_accuracy" in rows[-1]
+    assert rows[-1]["step"] == 8 and "val_accuracy" in rows[-1]
 
 
 def test_a_failing_run_fails_the_job(head, tmp_path):
-    proc = submit(head, "rt-bad", f"--set=run.storage={tmp_path}", "--set=trainer.max_epochs=0")
+    proc = submit(head, "rt-bad", f"--set=run.storage={tmp_path}", "--set=trainer.max_steps=0")
     assert proc.returncode != 0
     assert status(head, "rt-bad") == "FAILED"
-    assert "trainer.max_epochs=0 must be a positive integer" in proc.stdout + proc.stderr
+    assert "trainer.max_steps=0 must be a positive integer" in proc.stdout + proc.stderr
+
+
+def test_ray_submit_entry_point_ships_the_project_to_workers(head, tmp_path):
+    """What `ray submit cluster/<file>.yaml cluster/submit_train.py -- ARGS` runs on the head."""
+    # On a cluster the synced project is the installed one: the head's python imports it.
+    env = dict(head, RAY_ADDRESS=head["RAYTRAINER_GCS"], RAYTRAINER_PROJECT=ROOT, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, f"{ROOT}/cluster/submit_train.py", "configs/linear.yaml", "--no-progress",
+         "--set", "scaling.num_workers=1", "--set", "trainer.max_steps=5",
+         "--set", f"run.storage={tmp_path}", "--set", "run.name=submit"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "submit" / "model.pt").is_file()
