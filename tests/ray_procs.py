@@ -4,6 +4,7 @@ find and stop exactly those processes and never another test's (no `ray stop`)."
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import tempfile
@@ -54,4 +55,5 @@ def wait_gone(temp_dir: str, timeout_s: float = 40.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's logs and sockets
     return left

@@ -8,6 +8,7 @@ import pytest
 import raytrainer
 
 from .conftest import assert_no_leaks
+from .ray_procs import short_temp_dir, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,11 @@ def two_nodes():
     from ray.cluster_utils import Cluster
 
     # Like a cloud cluster: a head with no CPUs for workers, two 1-CPU worker nodes.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # Its own temp dir: in the default /tmp/ray, any other process's plain
+    # ray.init() on this machine would find and join this cluster.
+    temp_dir = short_temp_dir()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -24,6 +29,7 @@ def two_nodes():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    assert wait_gone(temp_dir) == []
 
 
 def test_workers_on_two_nodes_check_the_storage_and_train(two_nodes, tmp_path):
