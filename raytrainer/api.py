@@ -149,7 +149,10 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str
     bar = ProgressBar() if progress else None
     sinks = [JsonlWriter(run_dir / "metrics.jsonl"), TensorBoardSink(run_dir)] + ([bar] if bar else [])
     hub = MetricsHub(sinks)
-    group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow)
+    # The shared-storage check applies to a local run.storage; remote storage is
+    # reached by every worker through its URI.
+    group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow,
+                           run_dir=run_dir if storage.local else None)
     upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
     driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks
                                  + ([upload] if upload else []))

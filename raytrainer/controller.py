@@ -5,7 +5,7 @@
           \\-> FAILED
 
 The controller knows no torch and no Ray: it drives any worker group with
-start/setup/launch/poll/shutdown (group.RayWorkerGroup in production, a fake in
+start/check_storage/setup/launch/poll/shutdown (group.RayWorkerGroup in production, a fake in
 tests), writes every lifecycle change to the event log and every metric row to
 the sinks, and always shuts the group down, whatever happened.
 """
@@ -52,6 +52,9 @@ class Controller:
         self.events.log("run_started", step=0, num_workers=self.num_workers)
         try:
             nodes = self.group.start(self.num_workers)
+            checked = self.group.check_storage(nodes)  # before any work that storage would lose
+            if checked:
+                self.events.log("storage_checked", step=self.step, **checked)
             info = self.group.setup(self.resume[2] if self.resume else None)
             if self.resume:
                 self.step = self.ctx.step = self.resume[0]

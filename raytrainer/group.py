@@ -1,12 +1,13 @@
 """The Ray edge: a placement group and one Worker actor per bundle.
 
-The controller drives any object with this interface (start, setup, launch,
+The controller drives any object with this interface (start, check_storage, setup, launch,
 poll, shutdown); tests give it a fake one without a cluster.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -16,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import Config
 from .errors import PlacementError, RaytrainerError, WorkerError
+from .storage_check import check_shared_storage
 from .worker import Worker
 
 
@@ -35,8 +37,10 @@ def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
 
 
 class RayWorkerGroup:
-    def __init__(self, config: Config, use_gpu: bool, *, cluster_can_grow: bool = True):
+    def __init__(self, config: Config, use_gpu: bool, *, cluster_can_grow: bool = True,
+                 run_dir: Path | None = None):
         self.config = config
+        self.run_dir = run_dir
         self.use_gpu = use_gpu
         self.cluster_can_grow = cluster_can_grow
         self.bundle = worker_bundle(config, use_gpu)
@@ -76,6 +80,15 @@ class RayWorkerGroup:
             for i in range(num_workers)
         ]
         return _gather([a.node.remote() for a in self.actors])
+
+    def check_storage(self, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Fail now if workers on other nodes cannot see the run directory."""
+        if self.run_dir is None:
+            return None
+        return check_shared_storage(
+            self.run_dir, self.config.run.storage, nodes, ray.get_runtime_context().get_node_id(),
+            lambda path: _gather([a.sees_file.remote(path) for a in self.actors]),
+        )
 
     def setup(self, resume: bytes | None = None) -> dict[str, int]:
         """Form the process group and build the task on every worker, loading `resume`

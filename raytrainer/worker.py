@@ -44,6 +44,12 @@ class Worker:
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         }
 
+    def sees_file(self, path: str) -> bool:
+        """Whether this worker's node sees `path` (the shared-storage check at start)."""
+        import os
+
+        return os.path.exists(path)
+
     def rendezvous(self) -> tuple[str, int]:
         """Address for the process group's store; asked of rank 0 only."""
         from .dist import free_port

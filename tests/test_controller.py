@@ -5,20 +5,27 @@ import json
 import pytest
 
 from raytrainer.controller import Controller, State
-from raytrainer.errors import WorkerError
+from raytrainer.errors import ConfigError, WorkerError
 from raytrainer.group import Poll
 from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
 
 
 class FakeGroup:
-    def __init__(self, polls, fail_on_setup=None):
+    def __init__(self, polls, fail_on_setup=None, storage=None):
         self.polls = list(polls)
         self.fail_on_setup = fail_on_setup
+        self.storage = storage  # what check_storage returns, or the error it raises
         self.calls = []
 
     def start(self, n):
         self.calls.append(("start", n))
         return [{"ip": "10.0.0.1"}] * n
+
+    def check_storage(self, nodes):
+        self.calls.append(("check_storage", len(nodes)))
+        if isinstance(self.storage, Exception):
+            raise self.storage
+        return self.storage
 
     def setup(self, resume=None):
         self.calls.append(("setup",))
@@ -63,7 +70,7 @@ def test_rows_reach_the_sinks_and_the_run_finishes(tmp_path):
     log = read(tmp_path / "events.jsonl")
     assert [e["event"] for e in log] == ["run_started", "group_formed", "finished"]
     assert log[1]["world_size"] == 2 and log[1]["total_steps"] == 3 and log[-1]["step"] == 3
-    assert group.calls == [("start", 2), ("setup",), ("launch",), ("shutdown",)]
+    assert group.calls == [("start", 2), ("check_storage", 2), ("setup",), ("launch",), ("shutdown",)]
 
 
 def test_a_worker_failure_fails_the_run_logs_it_and_shuts_down(tmp_path):
@@ -88,3 +95,24 @@ def test_a_setup_failure_still_shuts_down(tmp_path):
     events.close()
     assert group.calls[-1] == ("shutdown",)
     assert read(tmp_path / "events.jsonl")[-1]["cause"] == "interrupted"
+
+
+def test_storage_not_shared_fails_before_setup(tmp_path):
+    group = FakeGroup([], storage=ConfigError("run.storage='runs' is not shared"))
+    controller, _, events = make(tmp_path, group)
+    with pytest.raises(ConfigError, match="not shared"):
+        controller.run()
+    events.close()
+    assert group.calls == [("start", 2), ("check_storage", 2), ("shutdown",)]
+    failed = read(tmp_path / "events.jsonl")[-1]
+    assert failed["event"] == "failed" and failed["error"] == "ConfigError"
+
+
+def test_a_storage_check_that_ran_is_logged(tmp_path):
+    group = FakeGroup([Poll(rows(1), done=True)], storage={"nodes": 2, "workers": 2})
+    controller, _, events = make(tmp_path, group)
+    controller.run()
+    events.close()
+    log = read(tmp_path / "events.jsonl")
+    assert [e["event"] for e in log] == ["run_started", "storage_checked", "group_formed", "finished"]
+    assert log[1]["nodes"] == 2

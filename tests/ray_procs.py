@@ -1,0 +1,59 @@
+"""Helpers for tests that start Ray with its CLI: each such Ray gets its own short
+temp dir, which every one of its processes carries on its command line, so we can
+find and stop exactly those processes and never another test's (no `ray stop`)."""
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def short_temp_dir() -> str:
+    # Ray puts unix sockets under it: keep the path short (pytest's tmp_path is too long).
+    return tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+
+
+def token_env() -> dict:
+    """Token auth with a fresh token: deterministic whatever ~/.ray/auth_token holds."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    return env
+
+
+def processes_under(temp_dir: str) -> list[int]:
+    """Pids of live processes whose command line names temp_dir."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if temp_dir.encode() in cmdline and int(pid) != os.getpid() and not zombie:
+            pids.append(int(pid))
+    return pids
+
+
+def wait_gone(temp_dir: str, timeout_s: float = 40.0) -> list[int]:
+    """Wait for temp_dir's processes to exit; SIGKILL (by pid) and return any that did not."""
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_under(temp_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's logs and sockets
+    return left

@@ -1,0 +1,90 @@
+"""`ray job submit` end to end against a real Ray head on loopback, started with
+`ray start --head` and its job server (the dashboard), as on a cluster."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import ROOT
+from .ray_procs import free_port, short_temp_dir, token_env, wait_gone
+
+
+@pytest.fixture(scope="module")
+def head():
+    temp_dir = short_temp_dir()
+    port, dash = free_port(), free_port()
+    env = token_env()
+    # Started from its temp dir, not the repo: task code can only reach the workers
+    # through the job's --working-dir.
+    proc = subprocess.Popen(
+        ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+         "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
+         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+        cwd=temp_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
+    env["RAYTRAINER_GCS"] = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run(["ray", "job", "list"], env=env, capture_output=True).returncode:
+            assert proc.poll() is None, f"ray start exited {proc.returncode}; logs in {temp_dir}"
+            assert time.monotonic() < deadline, f"the job server did not come up; logs in {temp_dir}"
+            time.sleep(1)
+        yield env
+    finally:
+        proc.send_signal(signal.SIGTERM)  # --block: drains the node and stops its processes
+        proc.wait(timeout=60)
+        assert wait_gone(temp_dir) == [], "ray processes outlived `ray start --block`"
+
+
+def submit(env, job_id, *overrides):
+    return subprocess.run(
+        ["ray", "job", "submit", "--working-dir", ".", "--submission-id", job_id, "--",
+         "raytrainer", "train", "configs/linear.yaml", "--no-progress",
+         "--set", "scaling.num_workers=1", "--set", "trainer.max_steps=8", *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+
+
+def status(env, job_id):
+    out = subprocess.run([sys.executable, "-c", (
+        "from ray.job_submission import JobSubmissionClient as C;"
+        f"print(C().get_job_status({job_id!r}).value)")], env=env, capture_output=True, text=True)
+    return out.stdout.strip() or out.stderr
+
+
+def test_submitted_run_succeeds_and_writes_the_run_dir(head, tmp_path):
+    proc = submit(head, "rt-ok", f"--set=run.storage={tmp_path}", "--set=run.name=job")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert status(head, "rt-ok") == "SUCCEEDED"
+    assert "finished " + str(tmp_path / "job") in proc.stdout  # the driver's output, streamed back
+    run = tmp_path / "job"
+    assert {"config.yaml", "metrics.jsonl", "events.jsonl", "model.pt"} <= {p.name for p in run.iterdir()}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 8 and "val_accuracy" in rows[-1]
+
+
+def test_a_failing_run_fails_the_job(head, tmp_path):
+    proc = submit(head, "rt-bad", f"--set=run.storage={tmp_path}", "--set=trainer.max_steps=0")
+    assert proc.returncode != 0
+    assert status(head, "rt-bad") == "FAILED"
+    assert "trainer.max_steps=0 must be a positive integer" in proc.stdout + proc.stderr
+
+
+def test_ray_submit_entry_point_ships_the_project_to_workers(head, tmp_path):
+    """What `ray submit cluster/<file>.yaml cluster/submit_train.py -- ARGS` runs on the head."""
+    # On a cluster the synced project is the installed one: the head's python imports it.
+    env = dict(head, RAY_ADDRESS=head["RAYTRAINER_GCS"], RAYTRAINER_PROJECT=ROOT, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, f"{ROOT}/cluster/submit_train.py", "configs/linear.yaml", "--no-progress",
+         "--set", "scaling.num_workers=1", "--set", "trainer.max_steps=5",
+         "--set", f"run.storage={tmp_path}", "--set", "run.name=submit"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "submit" / "model.pt").is_file()

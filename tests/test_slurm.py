@@ -1,0 +1,71 @@
+"""cluster/slurm/raytrainer.sbatch under a faked SLURM: `srun` and `scontrol` are
+small scripts that run the step here, so the allocation's two "nodes" are two
+raylets on this machine. The script must start both, train across them, pass the
+run's exit status on and leave no Ray process behind."""
+
+import json
+import os
+import stat
+import subprocess
+
+from .conftest import ROOT
+from .ray_procs import free_port, short_temp_dir, token_env, wait_gone
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# Fake srun: drop the step's options, run its command on this machine.
+while [[ $# -gt 0 && $1 == -* ]]; do
+    case $1 in -w|-N|-n|--nodelist|--nodes|--ntasks) shift 2 ;; *) shift ;; esac
+done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# Fake `scontrol show hostnames A,B`: one name a line.
+[[ $1 == show && $2 == hostnames ]] || { echo "fake scontrol: $*" >&2; exit 1; }
+tr , '\\n' <<< "$3"
+"""
+
+
+def sbatch(tmp_path, *overrides, nodes="n1,n2"):
+    temp_dir = short_temp_dir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = token_env()
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        # The job's environment has this checkout installed: driver and workers import it.
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=nodes,
+        SLURM_NNODES=str(len(nodes.split(","))), SLURM_GPUS_ON_NODE="0", SLURM_CPUS_PER_TASK="1",
+        RAY_PORT=str(free_port()), RAY_TMPDIR=temp_dir,
+        # Two raylets on one machine must not share the agent's and Ray Client's fixed ports.
+        RAY_START_ARGS="--dashboard-agent-listen-port=0",
+        RAY_HEAD_ARGS=f"--ray-client-server-port={free_port()} --include-dashboard=false",
+    )
+    try:
+        return subprocess.run(
+            ["bash", "cluster/slurm/raytrainer.sbatch", "configs/linear.yaml",
+             "--set", "trainer.max_epochs=1", "--set", f"run.storage={tmp_path}", *overrides],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        )
+    finally:
+        left = wait_gone(temp_dir, timeout_s=5)
+        assert left == [], f"the script left Ray processes behind: {left}"
+
+
+def test_trains_across_the_allocation_and_stops_ray(tmp_path):
+    proc = sbatch(tmp_path, "--set", "run.name=slurm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 Ray nodes up" in proc.stdout
+    events = [json.loads(line) for line in (tmp_path / "slurm" / "events.jsonl").read_text().splitlines()]
+    # Two workers of 1 CPU on two 1-CPU nodes: one per node, and storage was checked.
+    assert events[1]["event"] == "storage_checked" and events[1]["nodes"] == 2
+    assert events[-1]["event"] == "finished" and (tmp_path / "slurm" / "model.pt").is_file()
+
+
+def test_the_runs_exit_status_is_the_jobs(tmp_path):
+    proc = sbatch(tmp_path, "--set", "scaling.num_workers=3", nodes="n1")  # one node: quicker
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "global_batch_size=64 does not split evenly over scaling.num_workers=3" in proc.stderr
