@@ -97,12 +97,10 @@ def _find_resume(config: Config, storage: Storage, run_dir: Path) -> tuple[int, 
         except (OSError, ValueError) as exc:
             raise ConfigError(f"run.resume={mode!r}: {exc}") from None
         return ckpt.step, mode, data
-    checkpoints = Checkpoints(storage, config.run.name, config.checkpoint)
-    found = checkpoints.load_latest(warn=_warn) if mode == "auto" else None
+    found = _latest(config, storage) if mode == "auto" else None
     if found is not None:
-        ckpt, data = found
-        return ckpt.step, ckpt.name, data
-    if (run_dir / "metrics.jsonl").exists() or checkpoints.committed():
+        return found
+    if (run_dir / "metrics.jsonl").exists() or Checkpoints(storage, config.run.name, config.checkpoint).committed():
         why = ("already holds a run but no committed checkpoint to resume from" if mode == "auto"
                else "already holds a run and run.resume=never")
         raise ConfigError(
@@ -110,6 +108,12 @@ def _find_resume(config: Config, storage: Storage, run_dir: Path) -> tuple[int, 
             "(e.g. --set run.name=NEW) or remove that directory"
         )
     return None
+
+
+def _latest(config: Config, storage: Storage) -> tuple[int, str, bytes] | None:
+    """The newest committed checkpoint of the run, for a restart when no worker survived."""
+    found = Checkpoints(storage, config.run.name, config.checkpoint).load_latest(warn=_warn)
+    return (found[0].step, found[0].name, found[1]) if found else None
 
 
 def _warn(message: str) -> None:
@@ -157,7 +161,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str
     driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks
                                  + ([upload] if upload else []))
     controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar,
-                            callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume)
+                            callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
+                            failure=config.failure, restore=lambda: _latest(config, storage))
     try:
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"

@@ -183,6 +183,57 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class ChaosFault:
+    """A fault to inject, for tests and for checking a setup. It acts on one rank at the
+    end of an optimizer step (after the weights are updated), once per run."""
+
+    action: Literal["kill", "hang", "delay", "raise"]
+    """kill: SIGKILL the worker process; hang: stop making progress (until the driver's
+    step_timeout_s kills it); delay: sleep `seconds`; raise: raise in the worker."""
+    step: int | None = None
+    """The step it acts after; or null with `probability`."""
+    probability: float | None = None
+    """Act after any step with this probability (seeded by trainer.seed: reproducible)."""
+    rank: int | None = None
+    """The rank it acts on; null: a rank drawn at random (seeded)."""
+    seconds: float = 1.0
+    """How long a delay lasts."""
+
+    def __post_init__(self):
+        if (self.step is None) == (self.probability is None):
+            raise ConfigError(f"failure.chaos ({self.action}): give exactly one of step or probability")
+        if self.step is not None and self.step < 1:
+            raise ConfigError(f"failure.chaos ({self.action}): step={self.step} must be >= 1")
+        if self.probability is not None and not 0.0 < self.probability <= 1.0:
+            raise ConfigError(f"failure.chaos ({self.action}): probability={self.probability} must be in (0, 1]")
+        if self.rank is not None and self.rank < 0:
+            raise ConfigError(f"failure.chaos ({self.action}): rank={self.rank} must be >= 0 (or null)")
+        if self.seconds < 0:
+            raise ConfigError(f"failure.chaos ({self.action}): seconds={self.seconds} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class FailureConfig:
+    max_failures: int = 3
+    """Recoveries allowed in one run; the next failure fails the run. 0: fail at the first."""
+    step_timeout_s: float | None = 300.0
+    """A worker that makes no progress (no micro-batch, no validation batch) for this long
+    is hung: its Python stacks are dumped into the run directory and it is replaced.
+    null: never time out."""
+    warm_spare: bool = True
+    """Keep one idle worker process ready (torch imported, no resources held) to replace a
+    lost CPU worker in well under a second instead of a cold start of seconds."""
+    chaos: list[ChaosFault] = field(default_factory=list)
+    """Faults to inject (see ChaosFault)."""
+
+    def __post_init__(self):
+        if self.max_failures < 0:
+            raise ConfigError(f"failure.max_failures={self.max_failures} must be >= 0")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ConfigError(f"failure.step_timeout_s={self.step_timeout_s} must be > 0 (or null)")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str | None = None
     """Run directory name under storage; default: <task module>-<UTC timestamp>."""
@@ -210,6 +261,7 @@ class Config:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
     callbacks: list[Component] = field(default_factory=list)
     """raytrainer.Callback classes; each runs on every worker, or on the driver when its
     class sets on_driver = True."""
@@ -230,6 +282,12 @@ class Config:
                 f"scaling.num_workers * trainer.micro_batch_size = {workers} * {micro}; "
                 "change one of the three so it is"
             )
+        for fault in self.failure.chaos:
+            if fault.rank is not None and fault.rank >= workers:
+                raise ConfigError(
+                    f"failure.chaos ({fault.action}): rank={fault.rank} but scaling.num_workers={workers}; "
+                    f"use a rank below {workers} or null for a random one"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

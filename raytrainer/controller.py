@@ -1,13 +1,20 @@
 """The driver's state machine. It owns the run; a worker group does the work.
 
     STARTING -> RUNNING -> FINISHED
-         \\          \\-> FAILED
-          \\-> FAILED
+         \\        |  ^ \\-> FAILED
+          \\       v  |
+           \\-> RECOVERING -> FAILED
 
-The controller knows no torch and no Ray: it drives any worker group with
-start/check_storage/setup/launch/poll/shutdown (group.RayWorkerGroup in production, a fake in
-tests), writes every lifecycle change to the event log and every metric row to
-the sinks, and always shuts the group down, whatever happened.
+The controller knows no torch and no Ray: it drives any worker group
+(group.RayWorkerGroup in production, a fake in tests), writes every lifecycle
+change to the event log and every metric row to the sinks, asks the failure
+policy what to do when workers fail or hang, and always shuts the group down,
+whatever happened.
+
+Recovery keeps the survivors: they stop at the last step they completed, the
+group replaces the lost workers and re-forms, the survivor furthest ahead gives
+its state to the others, and training goes on. Only when no worker survived does
+a checkpoint from storage (`restore`) take their place.
 """
 
 from __future__ import annotations
@@ -16,14 +23,20 @@ import enum
 import time
 from typing import Any
 
+from pathlib import Path
+from typing import Callable
+
 from .callbacks import Callbacks, RunContext
-from .errors import RaytrainerError, WorkerError
+from .config import FailureConfig
+from .errors import NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
+from .policy import Failure, FailurePolicy, root_causes
 
 
 class State(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
+    RECOVERING = "recovering"
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -32,9 +45,13 @@ class Controller:
     def __init__(self, group: Any, num_workers: int, hub: MetricsHub, events: EventLog,
                  *, poll_interval_s: float = 0.2, progress: Any = None,
                  callbacks: Callbacks | None = None, context: RunContext | None = None,
-                 resume: tuple[int, str, bytes] | None = None):
+                 resume: tuple[int, str, bytes] | None = None, failure: FailureConfig | None = None,
+                 restore: Callable[[], tuple[int, str, bytes] | None] | None = None):
         self.group = group
         self.resume = resume  # (step, checkpoint name, state bytes) to start from
+        self.failure = failure or FailureConfig(max_failures=0, step_timeout_s=None)
+        self.policy = FailurePolicy(self.failure.max_failures)
+        self.restore = restore or (lambda: None)  # the newest committed checkpoint, if any
         self.num_workers = num_workers
         self.hub = hub
         self.events = events
@@ -45,39 +62,28 @@ class Controller:
         self.state = State.STARTING
         self.step = 0
         self.result: Any = None
+        self._train_step = 0  # the last training row recorded (rows re-sent after a recovery are dropped)
+        self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (its progress, when it last moved)
+        self._status_at = self._reset_at = 0.0
+        self._hung_now: list[Failure] = []
+        self._gave_up: str | None = None
 
     def run(self) -> Any:
         """Train to the end and return rank 0's final state; raise what stopped the run."""
         t0 = time.monotonic()
         self.events.log("run_started", step=0, num_workers=self.num_workers)
         try:
-            nodes = self.group.start(self.num_workers)
-            checked = self.group.check_storage(nodes)  # before any work that storage would lose
-            if checked:
-                self.events.log("storage_checked", step=self.step, **checked)
-            info = self.group.setup(self.resume[2] if self.resume else None)
-            if self.resume:
-                self.step = self.ctx.step = self.resume[0]
-                self.events.log("resumed", step=self.step, checkpoint=self.resume[1])
-            if self.progress is not None:
-                self.progress.total_steps = info.get("total_steps")
-            self.events.log("group_formed", step=self.step, world_size=self.num_workers,
-                            nodes=[n.get("ip") for n in nodes], seconds=round(time.monotonic() - t0, 3),
-                            **info)
-            self.group.launch()
+            self._form(self.resume, t0, check_storage=True)
             self.state = State.RUNNING
             self.callbacks("on_run_start", self.ctx)
             self.callbacks("on_epoch_start", self.ctx)
             while self.state is State.RUNNING:
-                poll = self.group.poll(self.poll_interval_s)
-                self._record(poll.rows)
-                for event in poll.events:
-                    self.events.log(**event)
-                    if event["event"] == "checkpoint_committed":
-                        self.callbacks("on_checkpoint", self.ctx, event["path"])
+                poll = self._poll()
                 if poll.done:
                     self.result = poll.result
                     self.state = State.FINISHED
+                elif poll.failures or self._hung():
+                    self._recover(poll.failures + self._hung_now)
             self.callbacks("on_epoch_end", self.ctx)
             self.callbacks("on_run_end", self.ctx)
             reason = self.result.get("stop_reason") if isinstance(self.result, dict) else None
@@ -86,14 +92,155 @@ class Controller:
             return self.result
         except BaseException as exc:
             self.state = State.FAILED
-            self.events.log("failed", step=self.step, **_describe(exc))
+            self.events.log("failed", step=self.step, **_describe(exc),
+                            **({"reason": self._gave_up} if self._gave_up else {}))
             raise
         finally:
             self.group.shutdown()
 
+    def _form(self, resume: tuple[int, str, bytes] | None, t0: float, check_storage: bool = False) -> None:
+        """Place and start the workers, form the group (from `resume` if given), launch."""
+        nodes = self.group.start(self.num_workers)
+        if check_storage:
+            checked = self.group.check_storage(nodes)  # before any work that storage would lose
+            if checked:
+                self.events.log("storage_checked", step=self.step, **checked)
+        info = self.group.setup(resume[2] if resume else None)
+        if resume:
+            self.step = self.ctx.step = self._train_step = resume[0]
+            self.events.log("resumed", step=self.step, checkpoint=resume[1])
+        if self.progress is not None:
+            self.progress.total_steps = info.get("total_steps")
+        self.events.log("group_formed", step=self.step, world_size=self.num_workers,
+                        nodes=[n.get("ip") for n in nodes], seconds=round(time.monotonic() - t0, 3), **info)
+        self.group.launch()
+        self._reset_progress()
+
+    def _poll(self) -> Any:
+        poll = self.group.poll(self.poll_interval_s)
+        self._record(poll.rows)
+        for event in poll.events:
+            self.events.log(**event)
+            if event["event"] == "checkpoint_committed":
+                self.callbacks("on_checkpoint", self.ctx, event["path"])
+        return poll
+
+    # ------------------------------------------------------------------ failures
+
+    def _recover(self, failures: list[Failure]) -> None:
+        """Wait until every worker has stopped, ask the policy, and carry out its decision."""
+        self.state = State.RECOVERING
+        t0 = time.monotonic()
+        failed: dict[int, Failure] = {}
+        finished: dict[int, Any] = {}
+        killed: set[int] = set()
+
+        def absorb(new: list[Failure]) -> None:
+            for f in new:  # a worker killed as hung then shows as died: it hung
+                failed.setdefault(f.rank, f)
+
+        # The others stop when their next collective fails (or finish, if it was the
+        # last). A worker that raised still holds its connections (its DDP keeps the
+        # process group alive), so peers waiting on it would wait for the collective
+        # timeout: kill it, and they fail at once.
+        absorb(failures)
+        while True:
+            settled = set(failed) | set(finished)
+            for rank, f in failed.items():
+                if f.kind == "error" and rank not in killed and len(settled) < self.num_workers:
+                    self.group.kill(rank)
+                    killed.add(rank)
+            if len(settled) >= self.num_workers:
+                break
+            poll = self._poll()
+            finished.update(poll.finished)
+            absorb(poll.failures)
+            if self._hung(exclude=settled):
+                absorb(self._hung_now)
+        causes = root_causes(list(failed.values()))
+        for f in causes:
+            self.events.log("worker_failed", step=f.step if f.step is not None else self.step, rank=f.rank,
+                            node=f.node, kind=f.kind, cause=f.cause)
+        if 0 in finished:  # training was over; rank 0 holds the result: nothing to redo
+            self.result, self.state = finished[0], State.FINISHED
+            return
+        decision = self.policy.decide(list(failed.values()))
+        if not decision.recover:
+            self._gave_up = decision.reason
+            raise decision.error or RaytrainerError(decision.reason)
+        ahead = max([self._train_step] + [f.step for f in failed.values() if f.step is not None]
+                    + [seen[0][0] for seen in self._seen.values() if seen[0]])
+        dead = sorted(r for r, f in failed.items() if f.kind in ("died", "hung") or r in killed)
+        try:
+            info = self.group.recover(dead)
+            self.group.launch()
+            self._reset_progress()
+            how = {"source_rank": info["source"], "replaced": info["replaced"], "resynced": info["resynced"]}
+        except NoSurvivors:
+            self.group.shutdown()
+            resume = self.restore()
+            self._form(resume, time.monotonic())
+            info = {"step": resume[0] if resume else 0}
+            how = {"from_checkpoint": resume[1] if resume else None}
+        self.step = info["step"]
+        self.events.log("recovered", step=info["step"], seconds=round(time.monotonic() - t0, 3),
+                        steps_lost=max(0, ahead - info["step"]), failures=self.policy.failures,
+                        cause=decision.reason, **how)
+        self.state = State.RUNNING
+
+    def _hung(self, exclude: set[int] = frozenset()) -> bool:
+        """Check, about once a second, for workers that made no progress within
+        failure.step_timeout_s; dump their stacks, kill them, and keep them in
+        `_hung_now`. The culprits are the stalled workers in their own code (or that do
+        not answer); those stalled in our collectives are waiting for them."""
+        self._hung_now: list[Failure] = []
+        timeout = self.failure.step_timeout_s
+        now = time.monotonic()
+        if timeout is None or now - self._status_at < 1.0:
+            return False
+        self._status_at = now
+        statuses = self.group.status()
+        for rank, status in enumerate(statuses):
+            key = (status["step"], status["progress"], status["phase"]) if status else None
+            if status is not None and (rank not in self._seen or self._seen[rank][0] != key):
+                self._seen[rank] = (key, now)
+        stalled = [r for r in range(len(statuses))
+                   if r not in exclude and now - self._seen.get(r, (None, self._reset_at))[1] > timeout]
+        if not stalled:
+            return False
+        culprits = [r for r in stalled if statuses[r] is None or statuses[r]["phase"] != "framework"] or stalled
+        for rank in culprits:
+            status = statuses[rank] or {}
+            where = self._dump_stacks(rank, status.get("step", self.step))
+            self.group.kill(rank)
+            self._hung_now.append(Failure(
+                rank, "hung", f"no progress for {timeout:g} s (failure.step_timeout_s) in "
+                f"{status.get('phase', 'unanswering')} code after step {status.get('step', '?')}; {where}",
+                status.get("step"), None))
+        return True
+
+    def _dump_stacks(self, rank: int, step: int) -> str:
+        stacks = self.group.dump_stacks(rank)
+        if stacks is None:
+            return "its stacks could not be read (the process did not answer)"
+        if self.ctx.run_dir is None:
+            return "stacks:\n" + stacks
+        path = Path(self.ctx.run_dir) / f"stacks-rank{rank}-step{step}.txt"
+        path.write_text(stacks)
+        return f"stacks in {path}"
+
+    def _reset_progress(self) -> None:
+        self._seen = {}
+        self._status_at = self._reset_at = time.monotonic()
+
     def _record(self, rows: list[dict[str, Any]]) -> None:
+        # A training row at or before the last one recorded was re-sent by a worker that
+        # redid a step after a recovery: the first one stands.
+        rows = [r for r in rows if any(k.startswith("val_") for k in r) or r["step"] > self._train_step]
         if not rows:
             return
+        self._train_step = max([self._train_step] + [r["step"] for r in rows if not any(
+            k.startswith("val_") for k in r)])
         self.step = max(self.step, rows[-1]["step"])
         self.hub.write(rows)
         for row in rows:  # driver-side callbacks see the same boundaries, from the rows

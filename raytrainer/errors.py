@@ -19,6 +19,10 @@ class PlacementError(RaytrainerError):
     """The cluster cannot place the workers the config asks for."""
 
 
+class NoSurvivors(RaytrainerError):
+    """Every worker was lost at once: only a checkpoint can continue the run."""
+
+
 class WorkerError(RaytrainerError):
     """User code (or the loop) raised on a worker; carries the rank and its traceback."""
 

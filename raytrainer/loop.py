@@ -11,13 +11,23 @@ scheduler, EMA) happens after the last micro-batch, never inside one.
 Per-step metrics stay on the device until a flush (every log_every_n_steps,
 before validation, at the end): one all-reduce then covers a whole window of
 steps, and `report` receives one row per step.
+
+Fault tolerance rests on three properties kept here. The random streams of a step
+are a function of (seed, rank, step), so any process can take over a rank at a
+step boundary. `self.step` counts optimizer steps whose update is fully applied,
+and what a step interrupted half-way changed (gradients, BatchNorm buffers) is
+undone by `abandon_step`, so a survivor's state is the state after `self.step`.
+And the work after a step (validation, logging, checkpoint) is flagged pending
+until done, so a step interrupted there is finished, not skipped, on resume.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import signal
 import time
 from typing import Any, Callable
 
@@ -27,7 +37,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .callbacks import Callbacks
 from .checkpoint import AsyncWriter, Checkpoints, Committed, to_cpu
-from .config import CheckpointConfig, TrainerConfig
+from .config import ChaosFault, CheckpointConfig, TrainerConfig
 from .data import BatchPlan, batch_size_of, fetch, to_device, val_shard
 from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
@@ -46,10 +56,12 @@ class Loop:
     def __init__(self, task: Task, cfg: TrainerConfig, *, rank: int, world_size: int,
                  device: torch.device, report: Report, callbacks: Callbacks | None = None,
                  checkpoints: Checkpoints | None = None, checkpoint_cfg: CheckpointConfig | None = None,
-                 notify: Callable[[dict[str, Any]], None] | None = None):
+                 notify: Callable[[dict[str, Any]], None] | None = None,
+                 chaos: list[ChaosFault] | None = None, state: dict[str, Any] | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.report = report if rank == 0 else (lambda rows: None)
+        self._report = report
+        self.report = report if rank == 0 else _drop
         self.notify = notify or (lambda event: None)  # lifecycle events for the driver's log
         self.callbacks = callbacks or Callbacks([])
         self.checkpoint_cfg = checkpoint_cfg or CheckpointConfig()
@@ -70,18 +82,12 @@ class Loop:
             AveragedModel(self.module, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
             if cfg.ema_decay else None
         )
-        self.model = (
-            DistributedDataParallel(self.module, device_ids=[device.index] if device.type == "cuda" else None)
-            if world_size > 1 else self.module
-        )
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
 
         self.train_data = task.train_dataset()
         self.val_data = task.val_dataset()
-        micro = cfg.micro_batch_size or cfg.global_batch_size // world_size
-        self.plan = BatchPlan(len(self.train_data), cfg.global_batch_size, micro, world_size, cfg.seed,
-                              overfit_batches=cfg.overfit_batches)
+        self.plan = self._plan()
         if self.val_data is not None and len(self.val_data) < world_size:
             raise ConfigError(
                 f"the validation dataset has {len(self.val_data)} samples, fewer than the "
@@ -103,10 +109,20 @@ class Loop:
         self.tokens_per_sample = getattr(task, "tokens_per_sample", None)
         self.peak_flops = cfg.peak_flops_per_worker or _known_peak(device)
 
-        # Dropout and friends draw from a per-rank stream.
-        torch.manual_seed(cfg.seed + 1 + rank)
         self.step = 0  # optimizer steps completed
         self.epoch = 0
+        self.progress = 0  # micro-batches and validation batches done: the driver's hang check
+        self.phase = "framework"  # or "user": in the task's code (or the data), not in ours
+        self._after_pending = False  # the work after self.step (validation, ...) is not done
+        self._buffers_at_step_start: list[torch.Tensor] = []
+        self.chaos = list(chaos or [])
+        self._chaos_fired: set[tuple[int, int]] = set()  # (fault index, step): each acts once
+        self._chaos_now: list[tuple[ChaosFault, int]] = []
+        self._started = False
+        if state is not None:
+            self.load_state_dict(state)
+        # Last: wrapping broadcasts rank 0's weights to every rank, so they must be final.
+        self.model = self._wrap()
         self._last_time = time.perf_counter()
         self.skipped_steps = 0
         self.stop_reason: str | None = None
@@ -123,27 +139,22 @@ class Loop:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, torch.Tensor] | None:
-        """Train to the end; return the final weights (EMA weights when on), on CPU, on rank 0."""
+        """Train to the end; return the final weights (EMA weights when on), on CPU, on rank 0.
+        Called again after a recovery, it continues from the state it holds."""
+        if not self._started:
+            self._started = True
+            self.callbacks("on_run_start", self)
         self.model.train()
-        spe = self.plan.steps_per_epoch
         self._last_time = time.perf_counter()  # set-up time is not training throughput
-        self.callbacks("on_run_start", self)
-        while self.step < self.total_steps and self.stop_reason is None:
-            self.epoch, in_epoch = divmod(self.step, spe)
+        while True:
+            if self._after_pending:
+                self._after_step()
+            if self.step >= self.total_steps or self.stop_reason is not None:
+                break
+            self.epoch, in_epoch = divmod(self.step, self.plan.steps_per_epoch)
             if in_epoch == 0:
                 self.callbacks("on_epoch_start", self)
             self.train_step(self.epoch, in_epoch)
-            epoch_end = in_epoch + 1 == spe or self.step == self.total_steps
-            every = self.cfg.val_every_n_steps
-            if epoch_end or (every and self.step % every == 0):
-                self.validate(self.epoch)
-            elif self.step % self.cfg.log_every_n_steps == 0:
-                self.flush()
-            if epoch_end:
-                self.callbacks("on_epoch_end", self)
-            every = self.checkpoint_cfg.every_n_steps
-            if every and self.step % every == 0 and not self.cfg.fast_dev_run:
-                self.save_checkpoint()
         self.flush(wait=True)
         if not self.cfg.fast_dev_run:
             self.save_checkpoint()  # the end of the run (a no-op if this step is saved)
@@ -157,19 +168,41 @@ class Loop:
             return {k: v.detach().cpu().clone() for k, v in final.state_dict().items()}
         return None
 
+    def _after_step(self) -> None:
+        """Validation, logging, epoch end and checkpoint after step `self.step`."""
+        epoch, in_epoch = divmod(self.step - 1, self.plan.steps_per_epoch)
+        epoch_end = in_epoch + 1 == self.plan.steps_per_epoch or self.step == self.total_steps
+        every = self.cfg.val_every_n_steps
+        if epoch_end or (every and self.step % every == 0):
+            self.validate(epoch)
+        elif self.step % self.cfg.log_every_n_steps == 0:
+            self.flush()
+        if epoch_end:
+            self.callbacks("on_epoch_end", self)
+        every = self.checkpoint_cfg.every_n_steps
+        if every and self.step % every == 0 and not self.cfg.fast_dev_run:
+            self.save_checkpoint()
+        self._after_pending = False
+
     def train_step(self, epoch: int, in_epoch: int) -> None:
+        step = self.step + 1
+        _seed_all(self.cfg.seed, self.rank, step)
+        self._buffers_at_step_start = [b.detach().clone() for b in self.module.buffers()]
+        self._arm_chaos(step)
         micro_batches = self.plan.micro_batches(epoch, in_epoch, self.rank)
         last = len(micro_batches) - 1
         lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this step uses
         total = None
         for i, index in enumerate(micro_batches):
-            batch = to_device(fetch(self.train_data, index), self.device)
             sync = i == last or self.model is self.module
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                with self._autocast():
-                    out = self.task.train_step(self.model, batch)
-                    loss = self._loss_of(out) / len(micro_batches)
+                with self._in_user_code():
+                    batch = to_device(fetch(self.train_data, index), self.device)
+                    with self._autocast():
+                        out = self.task.train_step(self.model, batch)
+                loss = self._loss_of(out) / len(micro_batches)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
+            self.progress += 1
             values = self._stack(out, "train")
             total = values if total is None else total + values
         total = total / len(micro_batches)
@@ -195,6 +228,7 @@ class Loop:
                 self.ema.update_parameters(self.module)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._after_pending = True
 
         now = time.perf_counter()
         rate = self.cfg.global_batch_size / max(now - self._last_time, 1e-9)
@@ -209,6 +243,7 @@ class Loop:
         if self.scaler is not None:
             info["skipped_steps"] = self.skipped_steps
         self._window.append((info, total))
+        self._act_chaos()
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
@@ -223,11 +258,13 @@ class Loop:
         index = val_shard(len(self.val_data), self.rank, self.world_size)
         chunks = index.split(self.plan.micro_batch_size)
         for chunk in chunks[: self.cfg.fast_dev_run or None]:
-            batch = to_device(fetch(self.val_data, chunk), self.device)
+            with self._in_user_code():
+                batch = to_device(fetch(self.val_data, chunk), self.device)
+                with self._autocast():
+                    out = self.task.val_step(model, batch)
             n = batch_size_of(batch)
-            with self._autocast():
-                out = self.task.val_step(model, batch)
             values = self._stack(out, "val") * n
+            self.progress += 1
             total = values if total is None else total + values
             count += n
         model.train()
@@ -272,7 +309,8 @@ class Loop:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "loop": {"step": self.step, "skipped_steps": self.skipped_steps, "best": self._best,
-                     "bad_validations": self._bad_validations,
+                     "bad_validations": self._bad_validations, "after_pending": self._after_pending,
+                     "stop_reason": self.stop_reason, "chaos_fired": sorted(self._chaos_fired),
                      "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
         }
 
@@ -298,29 +336,21 @@ class Loop:
                 target.load_state_dict(state[name])
         self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
         self._best, self._bad_validations = saved["best"], saved["bad_validations"]
+        self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
+        self._chaos_fired = {tuple(x) for x in saved["chaos_fired"]}
         self._saved_step = self.step
-        rngs = state.get("rng") or []
-        if saved["world_size"] == self.world_size and self.rank < len(rngs):
-            _set_rng_state(rngs[self.rank])
-        else:  # a different world size: fresh per-rank streams, still deterministic
-            torch.manual_seed(self.cfg.seed + 1 + self.rank + 7919 * self.step)
-            random.seed(self.cfg.seed + self.rank + self.step)
+        # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
     def save_checkpoint(self) -> None:
-        """All ranks call this at the same step (their RNG states are gathered); rank 0
-        writes. Asynchronously, the step waits only for the copy to CPU."""
+        """Rank 0 writes the replicated state (no collective: other ranks go on).
+        Asynchronously, the step waits only for the copy to CPU."""
         if self.step == self._saved_step:
             return
         self._saved_step = self.step
         self._raise_write_error()
-        rng = _rng_state(self.device)
-        rngs = [rng]
-        if self.world_size > 1:
-            rngs = [None] * self.world_size
-            torch.distributed.all_gather_object(rngs, rng)
         if self.checkpoints is None:
             return
-        state = {**self.state_dict(), "rng": rngs}
+        state = self.state_dict()
         metrics = dict(self.latest_metrics)
         if self.checkpoint_cfg.async_save:
             if self._writer is None:
@@ -343,7 +373,80 @@ class Loop:
             exc, self._write_error = self._write_error, None
             raise RuntimeError(f"writing a checkpoint failed: {exc}") from exc
 
+    # ------------------------------------------------------------------ recovery
+
+    def abandon_step(self) -> None:
+        """Undo what a step interrupted half-way changed, so the state is that after
+        `self.step`: gradients, BatchNorm running statistics, metrics not yet reduced."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._buffers_at_step_start:
+            with torch.no_grad():
+                for buffer, saved in zip(self.module.buffers(), self._buffers_at_step_start):
+                    buffer.copy_(saved)
+        if self.scaler is not None:  # an unscale_ without its step would be remembered
+            self.scaler = _fresh_scaler(self.scaler)
+        self._window, self._pending, self._chaos_now = [], [], []
+        self.phase = "framework"
+        self.module.train()
+
+    def regroup(self, rank: int, world_size: int, report_to: Report | None = None) -> None:
+        """Continue in a re-formed process group (the default group, already initialised)."""
+        self.rank, self.world_size = rank, world_size
+        self.report = (report_to or self._report) if rank == 0 else _drop
+        self.plan = self._plan()
+        self.model = self._wrap()
+
     # ------------------------------------------------------------------ helpers
+
+    def _wrap(self) -> torch.nn.Module:
+        if self.world_size == 1:
+            return self.module
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(self.module, device_ids=device_ids)
+
+    def _plan(self) -> BatchPlan:
+        micro = self.cfg.micro_batch_size or self.cfg.global_batch_size // self.world_size
+        return BatchPlan(len(self.train_data), self.cfg.global_batch_size, micro, self.world_size,
+                         self.cfg.seed, overfit_batches=self.cfg.overfit_batches)
+
+    @contextlib.contextmanager
+    def _in_user_code(self):
+        self.phase = "user"
+        try:
+            yield
+        finally:
+            self.phase = "framework"
+
+    def _arm_chaos(self, step: int) -> None:
+        """Decide, on every rank alike, which faults act after `step`; mark them fired now,
+        so a step re-run after the fault's own recovery does not fire it again."""
+        for i, fault in enumerate(self.chaos):
+            if (i, step) in self._chaos_fired:
+                continue
+            rng = random.Random(hash((self.cfg.seed, 0xC4A05, i, step)))  # ints: hash() is stable
+            due = fault.step == step if fault.step is not None else rng.random() < fault.probability
+            if due:
+                self._chaos_fired.add((i, step))
+                self._chaos_now.append((fault, fault.rank if fault.rank is not None
+                                        else rng.randrange(self.world_size)))
+
+    def _act_chaos(self) -> None:
+        now, self._chaos_now = self._chaos_now, []
+        for fault, rank in now:
+            if rank != self.rank:
+                continue
+            self.notify({"event": "chaos", "step": self.step, "action": fault.action})
+            with self._in_user_code():
+                if fault.action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif fault.action == "delay":
+                    time.sleep(fault.seconds)
+                elif fault.action == "hang":
+                    while True:
+                        time.sleep(1.0)
+                else:
+                    raise ChaosError(f"chaos: raise after step {self.step} on rank {self.rank}")
+
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -409,32 +512,31 @@ class Loop:
         ])
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    """This rank's random streams, in types torch.load(weights_only=True) accepts."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+class ChaosError(RuntimeError):
+    """Raised in a worker by failure.chaos `raise`."""
+
+
+def _seed_all(seed: int, rank: int, step: int) -> None:
+    """The random streams of (rank, step): Python, NumPy, torch CPU and CUDA."""
+    value = hash((seed, rank, step)) & 0x7FFF_FFFF_FFFF_FFFF
+    random.seed(value)
+    torch.manual_seed(value)  # seeds every CUDA device too
     try:
         import numpy as np
 
-        _, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        np.random.seed(value & 0xFFFF_FFFF)
     except ImportError:
         pass
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
+def _fresh_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+    fresh = torch.amp.GradScaler(scaler._device)
+    fresh.load_state_dict(scaler.state_dict())
+    return fresh
 
-        n = state["numpy"]
-        np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+
+def _drop(rows: list[dict[str, Any]]) -> None:
+    """Where ranks other than 0 report: the driver hears from rank 0 only."""
 
 
 def _known_peak(device: torch.device) -> float | None:

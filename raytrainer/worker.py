@@ -1,13 +1,19 @@
 """One training process: builds the task itself, joins the process group, runs the loop.
 
 A plain class; group.py makes it a Ray actor (with a second thread, so the
-driver can drain metrics while `run` trains).
+driver can drain metrics, read progress and dump stacks while `run` trains).
+
+When a peer fails, `run` returns "interrupted" instead of raising: the process,
+its model and its optimizer stay, at the last step this worker completed, ready
+for the driver to re-form the group (`regroup`) and copy state (`get_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import socket
+import sys
 import threading
 import traceback
 from typing import Any
@@ -58,49 +64,96 @@ class Worker:
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
               resume: bytes | None = None) -> dict[str, int]:
-        """Join the group, build the task, and load `resume` (checkpoint bytes) if given."""
-        import io
-
-        import torch
-
-        from .checkpoint import Checkpoints, Storage
+        """Join the group, build the task, and load `resume` (checkpoint bytes, or a
+        survivor's state) if given."""
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop
 
         self.rank = rank
         cfg = self.config
         with _as_worker_error(self):
+            if not use_gpu:  # as Ray sets OMP_NUM_THREADS: a spare taking over was made with none
+                import torch
+
+                torch.set_num_threads(max(1, int((cfg.scaling.resources_per_worker or {}).get("CPU", 1))))
             device = choose_device(use_gpu)
+            self._backend = choose_backend(cfg.scaling.backend, use_gpu)
             task = build_task(cfg.task.target, cfg.task.args)
-            init_group(rank, world_size, addr, port, choose_backend(cfg.scaling.backend, use_gpu))
+            init_group(rank, world_size, addr, port, self._backend)
             callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
-            checkpoints = Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint) if rank == 0 else None
             self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
-                             report=self._push, callbacks=callbacks, checkpoints=checkpoints,
-                             checkpoint_cfg=cfg.checkpoint, notify=self._notify)
-            if resume is not None:
-                self.loop.load_state_dict(torch.load(io.BytesIO(resume), weights_only=True))
+                             report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(rank),
+                             checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
+                             state=_load(resume) if resume is not None else None)
             return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
 
     def run(self) -> dict[str, Any]:
-        """Train to the end; rank 0 also returns the final weights as torch.save bytes."""
-        import io
-
-        import torch
-
+        """Train to the end and return {"status": "finished", ...} (rank 0 adds the final
+        weights as torch.save bytes), or {"status": "interrupted", "step": ...} when a
+        peer failed; raise WorkerError when this worker's own code did."""
         from .dist import destroy_group
 
         try:
-            with _as_worker_error(self):
-                weights = self.loop.fit()
-        finally:
-            destroy_group()
-        result = {"stop_reason": self.loop.stop_reason, "model": None}
+            weights = self.loop.fit()
+        except Exception as exc:
+            destroy_group()  # peers blocked on this worker in a collective fail now, not later
+            interrupted = _peer_failure(exc)
+            error = None if interrupted else _worker_error(self, exc)
+            self.loop.abandon_step()
+            if error is not None:
+                raise error from None
+            return {"status": "interrupted", "step": self.loop.step, "after_pending": self.loop._after_pending,
+                    "cause": f"{type(exc).__name__}: {exc}"}
+        destroy_group()
+        result = {"status": "finished", "stop_reason": self.loop.stop_reason, "model": None,
+                  "step": self.loop.step}
         if weights is not None:
-            buffer = io.BytesIO()
-            torch.save(weights, buffer)
-            result["model"] = buffer.getvalue()
+            result["model"] = _dump(weights)
         return result
+
+    # ------------------------------------------------------------------ recovery
+
+    def status(self) -> dict[str, Any]:
+        """Progress for the driver's hang check (answered while `run` trains)."""
+        loop = self.loop
+        if loop is None:
+            return {"step": 0, "progress": 0, "phase": "setup", "after_pending": False}
+        return {"step": loop.step, "progress": loop.progress, "phase": loop.phase,
+                "after_pending": loop._after_pending}
+
+    def dump_stacks(self) -> str:
+        """Every thread's Python stack, for a worker about to be killed as hung."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = []
+        for ident, frame in sys._current_frames().items():
+            parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(parts)
+
+    def get_state(self) -> bytes:
+        """This worker's training state, for workers that lost or lack theirs."""
+        return _dump(self.loop.state_dict())
+
+    def regroup(self, rank: int, world_size: int, addr: str, port: int,
+                state: bytes | None = None) -> dict[str, int]:
+        """Join a re-formed process group as `rank`, first taking `state` if given."""
+        from .dist import init_group
+
+        with _as_worker_error(self):
+            init_group(rank, world_size, addr, port, self._backend)
+            if state is not None:
+                self.loop.load_state_dict(_load(state))
+            self.rank = rank
+            self.loop.checkpoints = self.loop.checkpoints or self._checkpoints(rank)
+            self.loop.regroup(rank, world_size)
+            return {"step": self.loop.step}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _checkpoints(self, rank: int):
+        from .checkpoint import Checkpoints, Storage
+
+        cfg = self.config
+        return Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint) if rank == 0 else None
 
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Metric rows and lifecycle events since the last drain (rank 0 holds the
@@ -121,17 +174,48 @@ class Worker:
 
 @contextlib.contextmanager
 def _as_worker_error(worker: Worker):
-    """Our own errors pass through (their messages name the fix); anything else
-    becomes a WorkerError carrying the rank, the step and the worker's traceback."""
     try:
         yield
-    except RaytrainerError:
-        raise
     except Exception as exc:
-        loop = worker.loop
-        raise WorkerError(
-            worker.rank if worker.rank is not None else -1,
-            f"{type(exc).__name__}: {exc}",
-            traceback.format_exc(),
-            step=loop.step + 1 if loop else None,
-        ) from None
+        raise _worker_error(worker, exc) from None
+
+
+def _worker_error(worker: Worker, exc: Exception) -> Exception:
+    """Our own errors pass through (their messages name the fix); anything else
+    becomes a WorkerError carrying the rank, the step and the worker's traceback."""
+    if isinstance(exc, RaytrainerError):
+        return exc
+    loop = worker.loop
+    return WorkerError(
+        worker.rank if worker.rank is not None else -1,
+        f"{type(exc).__name__}: {exc}",
+        "".join(traceback.format_exception(exc)),
+        step=loop.step + 1 if loop else None,
+    )
+
+
+def _peer_failure(exc: Exception) -> bool:
+    """Whether `exc` is a collective failing because a peer died or left (Gloo raises a
+    plain RuntimeError naming its transport; NCCL and newer torch a DistError)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                      "ProcessGroupGloo", "NCCL error", "Socket Timeout"))
+
+
+def _dump(obj: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _load(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)

@@ -12,11 +12,12 @@ class RegressionTask(Task):
     """A tiny MLP regressing a fixed random linear map; deterministic data on every worker."""
 
     def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
-                 no_loss=False, dropout=0.0, record=None, sleep_s=0.0):
+                 no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None):
         self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
         self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
         self.no_loss = no_loss
         self.dropout, self.record, self.sleep_s = dropout, record, sleep_s
+        self.fail_on_sample = fail_on_sample  # a "corrupt sample": fails wherever it is trained on
         self.steps = 0
 
     def build_model(self):
@@ -55,6 +56,8 @@ class RegressionTask(Task):
 
             if dist.get_rank() == self.fail_rank:
                 raise ValueError(f"boom at micro-step {self.steps}")
+        if self.fail_on_sample is not None and self.fail_on_sample in index.tolist():
+            raise ValueError(f"sample {self.fail_on_sample} is corrupt")
         loss = torch.nn.functional.mse_loss(model(x), y)
         return {"mse": loss.detach()} if self.no_loss else {"loss": loss}
 

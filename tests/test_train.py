@@ -19,7 +19,7 @@ def config(tmp_path, name, **sections):
         "run": {"name": name, "storage": str(tmp_path)},
     }
     for section, values in sections.items():
-        cfg[section].update(values)
+        cfg.setdefault(section, {}).update(values)
     return cfg
 
 
@@ -66,8 +66,9 @@ def test_one_and_two_workers_end_with_the_same_weights(ray_local, tmp_path):
 
 def test_user_exception_names_the_rank_and_traceback(ray_local, tmp_path):
     args = {"fail_at_step": 3, "fail_rank": 1}
+    cfg = config(tmp_path, "boom", task={"args": args}, failure={"max_failures": 0})
     with pytest.raises(WorkerError) as info:
-        raytrainer.train(config(tmp_path, "boom", task={"args": args}), progress=False)
+        raytrainer.train(cfg, progress=False)
     error = info.value
     assert error.rank == 1 and error.step == 3
     assert "ValueError: boom" in str(error) and "tests/tasks.py" in error.traceback
