@@ -57,7 +57,8 @@ class Loop:
                  device: torch.device, report: Report, callbacks: Callbacks | None = None,
                  checkpoints: Checkpoints | None = None, checkpoint_cfg: CheckpointConfig | None = None,
                  notify: Callable[[dict[str, Any]], None] | None = None,
-                 chaos: list[ChaosFault] | None = None, state: dict[str, Any] | None = None):
+                 chaos: list[ChaosFault] | None = None, chaos_claim: Callable[[int, int], bool] | None = None,
+                 state: dict[str, Any] | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         self._report = report
@@ -116,8 +117,11 @@ class Loop:
         self._after_pending = False  # the work after self.step (validation, ...) is not done
         self._buffers_at_step_start: list[torch.Tensor] = []
         self.chaos = list(chaos or [])
-        self._chaos_fired: set[tuple[int, int]] = set()  # (fault index, step): each acts once
-        self._chaos_now: list[tuple[ChaosFault, int]] = []
+        # claim(fault index, step) is True once per run: after a recovery, the step that
+        # fired a fault may run again, in a new process, and must not fire it again.
+        claimed: set[tuple[int, int]] = set()
+        self._chaos_claim = chaos_claim or (lambda i, step: (i, step) not in claimed and not claimed.add((i, step)))
+        self._chaos_now: list[tuple[int, ChaosFault, int]] = []
         self._started = False
         if state is not None:
             self.load_state_dict(state)
@@ -310,7 +314,7 @@ class Loop:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "loop": {"step": self.step, "skipped_steps": self.skipped_steps, "best": self._best,
                      "bad_validations": self._bad_validations, "after_pending": self._after_pending,
-                     "stop_reason": self.stop_reason, "chaos_fired": sorted(self._chaos_fired),
+                     "stop_reason": self.stop_reason,
                      "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
         }
 
@@ -337,7 +341,6 @@ class Loop:
         self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
         self._best, self._bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
-        self._chaos_fired = {tuple(x) for x in saved["chaos_fired"]}
         self._saved_step = self.step
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
@@ -418,22 +421,18 @@ class Loop:
             self.phase = "framework"
 
     def _arm_chaos(self, step: int) -> None:
-        """Decide, on every rank alike, which faults act after `step`; mark them fired now,
-        so a step re-run after the fault's own recovery does not fire it again."""
+        """Decide, on every rank alike, which faults act after `step`, and on which rank."""
         for i, fault in enumerate(self.chaos):
-            if (i, step) in self._chaos_fired:
-                continue
             rng = random.Random(hash((self.cfg.seed, 0xC4A05, i, step)))  # ints: hash() is stable
             due = fault.step == step if fault.step is not None else rng.random() < fault.probability
             if due:
-                self._chaos_fired.add((i, step))
-                self._chaos_now.append((fault, fault.rank if fault.rank is not None
-                                        else rng.randrange(self.world_size)))
+                rank = fault.rank if fault.rank is not None else rng.randrange(self.world_size)
+                self._chaos_now.append((i, fault, rank))
 
     def _act_chaos(self) -> None:
         now, self._chaos_now = self._chaos_now, []
-        for fault, rank in now:
-            if rank != self.rank:
+        for i, fault, rank in now:
+            if rank != self.rank or not self._chaos_claim(i, self.step):
                 continue
             self.notify({"event": "chaos", "step": self.step, "action": fault.action})
             with self._in_user_code():

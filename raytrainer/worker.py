@@ -84,6 +84,7 @@ class Worker:
             self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
                              report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(rank),
                              checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
+                             chaos_claim=self._chaos_claim,
                              state=_load(resume) if resume is not None else None)
             return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
 
@@ -148,6 +149,14 @@ class Worker:
             return {"step": self.loop.step}
 
     # ------------------------------------------------------------------ helpers
+
+    def _chaos_claim(self, fault: int, step: int) -> bool:
+        """Once per run across processes: the first claim of (fault, step) in Ray's KV store."""
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        run = self.config.run
+        key = f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}"
+        return not _internal_kv_put(key, b"1", overwrite=False)
 
     def _checkpoints(self, rank: int):
         from .checkpoint import Checkpoints, Storage

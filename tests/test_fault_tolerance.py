@@ -1,0 +1,134 @@
+"""Fault tolerance: workers killed, hung or raising; the run recovers in memory from the
+survivors and ends with the same weights as an undisturbed run."""
+
+import json
+
+import pytest
+import torch
+
+import raytrainer
+from raytrainer.errors import ConfigError, TaskError, WorkerError
+from raytrainer.policy import Failure, FailurePolicy, FailuresExceeded
+
+from .conftest import assert_no_leaks
+
+
+def config(tmp_path, name, chaos=(), workers=2, **failure):
+    return {
+        # Dropout: the replaced rank must draw the same random numbers as the lost one.
+        "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.1}},
+        "trainer": {"max_steps": 24, "global_batch_size": 32, "log_every_n_steps": 4},
+        "scaling": {"num_workers": workers},
+        "failure": {"chaos": list(chaos), "step_timeout_s": 3, **failure},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+def weights(result):
+    return torch.load(result.run_dir / "model.pt", weights_only=True)
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def events(result, name):
+    return [e for e in result.events if e["event"] == name]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_local, tmp_path_factory):
+    return weights(raytrainer.train(config(tmp_path_factory.mktemp("base"), "base"), progress=False))
+
+
+def test_three_kills_end_bit_identical_to_an_undisturbed_run(undisturbed, tmp_path):
+    chaos = [{"action": "kill", "step": 5, "rank": 0}, {"action": "kill", "step": 11, "rank": 1},
+             {"action": "kill", "step": 17}]
+    result = raytrainer.train(config(tmp_path, "kills", chaos), progress=False)
+    assert_same(weights(result), undisturbed)
+    failed, recovered = events(result, "worker_failed"), events(result, "recovered")
+    assert [f["kind"] for f in failed] == ["died"] * 3 and [f["rank"] for f in failed][:2] == [0, 1]
+    assert all(f["node"] and "died" in f["cause"] for f in failed)
+    assert len(recovered) == 3 and all(r["steps_lost"] <= 1 for r in recovered)
+    assert [r["step"] for r in recovered] == [5, 11, 17]  # each kill came right after its step
+    assert all(r["replaced"] and r["seconds"] > 0 for r in recovered)
+    train_steps = [r["step"] for r in result.history if "loss" in r]
+    assert len(train_steps) == len(set(train_steps))  # a redone step is not logged twice
+    assert result.metrics["step"] == 24
+    assert_no_leaks()
+
+
+def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, tmp_path):
+    chaos = [{"action": "hang", "step": 4, "rank": 1}, {"action": "raise", "step": 9, "rank": 0},
+             {"action": "delay", "step": 14, "rank": 1, "seconds": 0.5}]
+    result = raytrainer.train(config(tmp_path, "hang", chaos), progress=False)
+    assert_same(weights(result), undisturbed)
+    failed = events(result, "worker_failed")
+    assert [(f["kind"], f["rank"]) for f in failed] == [("hung", 1), ("error", 0)]
+    assert "failure.step_timeout_s" in failed[0]["cause"] and "ChaosError" in failed[1]["cause"]
+    stacks = list((tmp_path / "hang").glob("stacks-rank1-step*.txt"))
+    assert len(stacks) == 1 and "_act_chaos" in stacks[0].read_text()  # where it hung
+    assert len(events(result, "recovered")) == 2
+    assert_no_leaks()
+
+
+def test_max_failures_exceeded_fails_the_run_with_the_reason(ray_local, tmp_path):
+    chaos = [{"action": "kill", "step": 3, "rank": 1}, {"action": "kill", "step": 6, "rank": 1}]
+    with pytest.raises(FailuresExceeded, match=r"failure.max_failures=1 exceeded.*rank 1 died"):
+        raytrainer.train(config(tmp_path, "max", chaos, max_failures=1), progress=False)
+    log = [json.loads(line) for line in (tmp_path / "max" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in log if e["event"] in ("worker_failed", "recovered", "failed")] == \
+        ["worker_failed", "recovered", "worker_failed", "failed"]
+    assert "raise failure.max_failures" in log[-1]["reason"]
+    assert_no_leaks()
+
+
+def test_a_deterministic_user_exception_fails_fast_with_its_traceback(ray_local, tmp_path):
+    cfg = config(tmp_path, "corrupt")
+    cfg["task"]["args"]["fail_on_sample"] = 100  # wherever sample 100 lands, it raises
+    with pytest.raises(WorkerError) as info:
+        raytrainer.train(cfg, progress=False)
+    assert "sample 100 is corrupt" in str(info.value) and "in train_step" in info.value.traceback
+    log = [json.loads(line) for line in (tmp_path / "corrupt" / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in log if e["event"] in ("worker_failed", "recovered", "failed")]
+    assert kinds == ["worker_failed", "recovered", "worker_failed", "failed"]  # retried once only
+    assert "again at the same step" in log[-1]["reason"]
+    assert log[-1]["rank"] == info.value.rank
+    assert_no_leaks()
+
+
+def test_with_no_survivor_the_run_restarts_from_its_checkpoint(ray_local, tmp_path):
+    base = weights(raytrainer.train(config(tmp_path, "alone", workers=1), progress=False))
+    cfg = config(tmp_path, "lost", [{"action": "kill", "step": 7}], workers=1)
+    cfg["checkpoint"] = {"every_n_steps": 5}
+    result = raytrainer.train(cfg, progress=False)
+    assert_same(weights(result), base)
+    recovered = events(result, "recovered")
+    assert len(recovered) == 1 and recovered[0]["from_checkpoint"] == "step-00000005"
+    assert recovered[0]["step"] == 5  # steps 6 and 7 redone: lost to a checkpoint restart
+    assert_no_leaks()
+
+
+# ---------------------------------------------------------------------- the policy alone
+
+def test_policy_counts_failures_and_never_retries_our_own_errors():
+    policy = FailurePolicy(max_failures=2)
+    died = [Failure(1, "died", "gone", 3), Failure(0, "interrupted", "peer gone", 3)]
+    assert policy.decide(died).recover and policy.decide(died).recover
+    decision = policy.decide(died)
+    assert not decision.recover and isinstance(decision.error, FailuresExceeded)
+    assert "failure.max_failures=2 exceeded" in decision.reason and "rank 1 died" in decision.reason
+    for ours in (ConfigError("bad key"), TaskError("no loss")):
+        decision = FailurePolicy(5).decide([Failure(0, "error", f"x: {ours}", 1, error=ours)])
+        assert not decision.recover and decision.error is ours
+
+
+def test_policy_retries_a_worker_error_once_per_step_and_type():
+    policy = FailurePolicy(max_failures=10)
+    error = WorkerError(1, "ValueError: bad")
+    at = lambda step, cause="ValueError: bad": [Failure(1, "error", cause, step, error=error)]  # noqa: E731
+    assert policy.decide(at(4)).recover
+    assert policy.decide(at(5)).recover  # another step: not the same failure
+    assert policy.decide(at(4, "KeyError: k")).recover  # another type
+    decision = policy.decide(at(4, "ValueError: other text"))
+    assert not decision.recover and decision.error is error and "again at the same step" in decision.reason
