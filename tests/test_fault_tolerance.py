@@ -19,7 +19,7 @@ def config(tmp_path, name, chaos=(), workers=2, **failure):
         "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.1}},
         "trainer": {"max_steps": 24, "global_batch_size": 32, "log_every_n_steps": 4},
         "scaling": {"num_workers": workers},
-        "failure": {"chaos": list(chaos), "step_timeout_s": 3, **failure},
+        "failure": {"chaos": list(chaos), "step_timeout_s": 4, **failure},
         "run": {"name": name, "storage": str(tmp_path)},
     }
 
