@@ -15,10 +15,13 @@ metrics travel to the driver, so steps/s is measured with that cost included.
 Repetitions are interleaved (raw, Ray Train, raytrainer, then rotated) so a
 slow minute on the machine does not land on one contender. Medians are reported.
 
-Figures that need features not built yet (fault tolerance, elastic resizing,
-checkpoints) are rows marked "not measured (needs ...)": to add one, give its
-Figure an `extract` that reads the value out of a contender's result and make
-the contender scenario produce it.
+The worker-SIGKILL figures come from separate kill runs (scenario "kill", Ray Train
+and raytrainer only: raw DDP has no recovery), so the start-up and steps/s runs stay
+undisturbed; see _Killer for how the kill is delivered.
+
+Figures that need features not built yet (elastic resizing) are rows marked "not
+measured (needs ...)": to add one, give its Figure an `extract` that reads the value
+out of a contender's result and make the contender scenario produce it.
 """
 
 from __future__ import annotations
