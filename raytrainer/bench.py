@@ -15,10 +15,13 @@ metrics travel to the driver, so steps/s is measured with that cost included.
 Repetitions are interleaved (raw, Ray Train, raytrainer, then rotated) so a
 slow minute on the machine does not land on one contender. Medians are reported.
 
-Figures that need features not built yet (fault tolerance, elastic resizing,
-checkpoints) are rows marked "not measured (needs ...)": to add one, give its
-Figure an `extract` that reads the value out of a contender's result and make
-the contender scenario produce it.
+The worker-SIGKILL figures come from separate kill runs (scenario "kill", Ray Train
+and raytrainer only: raw DDP has no recovery), so the start-up and steps/s runs stay
+undisturbed; see _Killer for how the kill is delivered.
+
+Figures that need features not built yet (elastic resizing) are rows marked "not
+measured (needs ...)": to add one, give its Figure an `extract` that reads the value
+out of a contender's result and make the contender scenario produce it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,10 +79,22 @@ class BenchSpec:
     seed: int = 0
     checkpoint_mb: int = 64
     """Model size for the checkpoint-stall figures (optimizer state adds twice as much)."""
+    kill_steps: int = 400
+    """Optimizer steps of the kill runs (Ray Train and raytrainer alike)."""
+    kill_step: int = 325
+    """The last worker is SIGKILLed from outside once it starts this step: warm by then
+    (raytrainer's warm spare has imported torch), and mid-way between two checkpoints."""
+    kill_checkpoint_every: int = 50
+    """Both contenders checkpoint every this many steps in the kill runs (Ray Train also
+    reports only then: its report() costs about 2 s)."""
+    scenarios: str = "train,kill,stall"
+    """Which measurements to run: train (start-up, steps/s), kill (worker SIGKILL),
+    stall (checkpoint stall); comma-separated."""
 
     def __post_init__(self):
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
-                    "steps", "ray_train_steps", "repetitions", "checkpoint_mb"):
+                    "steps", "ray_train_steps", "repetitions", "checkpoint_mb", "kill_steps", "kill_step",
+                    "kill_checkpoint_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
         for key in ("steps", "ray_train_steps"):
@@ -95,13 +111,27 @@ class BenchSpec:
             raise ConfigError("bench warmup_fraction must be in [0, 1)")
         if self.timeout_s <= 0:
             raise ConfigError("bench --timeout-s must be > 0")
+        unknown = set(self.scenario_list) - set(SCENARIOS)
+        if unknown or not self.scenario_list:
+            raise ConfigError(f"bench --scenarios={self.scenarios!r}: choose from {', '.join(SCENARIOS)}")
+        if "kill" in self.scenario_list:
+            if self.workers < 2:
+                raise ConfigError("bench --scenarios kill needs --workers >= 2: a worker must survive")
+            if not 1 < self.kill_step < self.kill_steps:
+                raise ConfigError(f"bench --kill-step={self.kill_step} must be in (1, --kill-steps="
+                                  f"{self.kill_steps})")
+
+    @property
+    def scenario_list(self) -> list[str]:
+        return [s for s in self.scenarios.split(",") if s]
 
     def steps_for(self, contender: str) -> int:
         return self.ray_train_steps if contender == "ray_train" else self.steps
 
 
+SCENARIOS = ("train", "kill", "stall")
 SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
-             checkpoint_mb=4)
+             checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10)
 
 
 # --------------------------------------------------------------------------- the job
@@ -136,6 +166,7 @@ class BenchTask(Task):
 
     def __init__(self, **spec):
         self.spec = spec
+        self._steps = 0  # train_step calls: one per optimizer step (no accumulation in the bench)
 
     def build_model(self):
         return build_mlp(self.spec)
@@ -152,7 +183,67 @@ class BenchTask(Task):
         import torch
 
         x, y = batch
+        self._steps += 1
+        if self.spec.get("kill_marker"):
+            _arm_kill(self.spec, self._steps, torch.distributed.get_rank())
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+
+
+# --------------------------------------------------------------------------- the kill
+# The worker that is to die says so when it starts step `kill_step` (its pid, in a
+# marker file); a thread in the contender's own process SIGKILLs it from outside at
+# once, so the kill lands wherever the worker happens to be (mid-step, mid-collective),
+# not at a clean step boundary as raytrainer's failure.chaos kill would.
+
+def _arm_kill(spec: dict[str, Any], step: int, rank: int) -> None:
+    marker = Path(spec["kill_marker"])
+    if step != spec["kill_step"] or rank != spec["workers"] - 1 or marker.exists():
+        return  # a replacement worker counts from 0 again: the marker makes it once per run
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "rank": rank}))
+    os.replace(tmp, marker)
+
+
+class _Killer(threading.Thread):
+    def __init__(self, marker: Path):
+        super().__init__(daemon=True, name="bench-killer")
+        self.marker = marker
+        self.done = threading.Event()
+        self.killed: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                armed = json.loads(self.marker.read_text())
+            except FileNotFoundError:
+                time.sleep(0.001)
+                continue
+            at = time.time()
+            os.kill(armed["pid"], signal.SIGKILL)
+            self.killed = dict(armed, killed_at=at)
+            return
+
+    def result(self) -> dict[str, Any]:
+        self.done.set()
+        self.join()
+        if self.killed is None:
+            raise BenchError(f"the worker to kill never said it reached the kill step (no {self.marker})")
+        return self.killed
+
+
+def _kill_figures(killed: dict[str, Any], before: list[tuple[int, float]], after: list[tuple[int, float]],
+                  resumed_from: int, reached: int = 0) -> dict[str, Any]:
+    """The same arithmetic for both contenders: `before` and `after` are rank 0's (step, time)
+    before the failure was handled and after training restarted; `reached`, a step known
+    to have been finished before the failure though it has no row."""
+    if not after:
+        raise BenchError("no step finished after the kill")
+    reached = max([reached] + [s for s, _ in before])
+    return {"killed_at": killed["killed_at"], "kill_armed_step": killed["step"], "killed_pid": killed["pid"],
+            "killed_rank": killed["rank"], "step_at_kill": reached, "resumed_from": resumed_from,
+            "first_step_after": after[0][0],
+            "kill_to_first_step_s": after[0][1] - killed["killed_at"],
+            "steps_lost": max(0, reached - resumed_from)}
 
 
 def _rank_batch(spec: dict[str, Any], x, y, step: int, rank: int, world: int):
@@ -315,8 +406,132 @@ def _run_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             "run_dir": str(result.run_dir)}
 
 
+def _kill_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """raytrainer with the last worker SIGKILLed at spec["kill_step"]; its default
+    failure settings (warm spare) and a checkpoint every kill_checkpoint_every steps."""
+    from .api import train
+
+    marker = work / "kill-marker.json"
+    config = {
+        "task": {"target": "raytrainer.bench:BenchTask", "args": {**spec, "kill_marker": str(marker)}},
+        "trainer": {"max_steps": spec["kill_steps"], "global_batch_size": spec["global_batch_size"],
+                    "seed": spec["seed"], "log_every_n_steps": 1},
+        "scaling": {"num_workers": spec["workers"], "use_gpu": False, "backend": "gloo"},
+        "checkpoint": {"every_n_steps": spec["kill_checkpoint_every"], "async": True},
+        "failure": {"max_failures": 1},
+        "run": {"name": "bench-kill", "storage": str(work)},
+    }
+    killer = _Killer(marker)
+    killer.start()
+    try:
+        result = train(config, progress=False)
+    finally:
+        killed = killer.result()
+    rows = [(r["step"], r["time"]) for r in result.history if "loss" in r]
+    failed = [e for e in result.events if e["event"] == "worker_failed"]
+    recovered = [e for e in result.events if e["event"] == "recovered"]
+    if len(recovered) != 1 or not failed:
+        raise BenchError(f"expected one recovery after the kill; events: {result.events}")
+    # The controller logs worker_failed once every worker has stopped, before it recovers.
+    # A step the survivor finished as the peer died has no row (its metrics all-reduce
+    # failed), but the controller counts it: resumed step + steps_lost is how far it got.
+    handled, rec = failed[0]["time"], recovered[0]
+    out = _kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
+                        rec["step"], reached=rec["step"] + rec["steps_lost"])
+    out.update(step_times=[t for _, t in rows], last_loss=result.history[-1].get("loss"),
+               phases={f"event_{e['event']}": e["time"] for e in result.events},
+               recovered_event=recovered[0], worker_failed_event=failed[0], run_dir=str(result.run_dir))
+    return out
+
+
+def _kill_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Ray Train with FailureConfig(max_failures=1): it restarts the whole worker group
+    and the loop resumes from the last reported checkpoint."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    phases = {"ray_train_imported": time.time()}
+    marker = work / "kill-marker.json"
+    rows_file = work / "ray_train_rows.jsonl"
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    phases["ray_started"] = time.time()
+    killer = _Killer(marker)
+    killer.start()
+    try:
+        trainer = TorchTrainer(
+            _ray_train_kill_loop,
+            train_loop_config={"spec": {**spec, "kill_marker": str(marker)}, "rows_file": str(rows_file)},
+            scaling_config=ScalingConfig(num_workers=spec["workers"], use_gpu=False),
+            run_config=RunConfig(name="bench-kill", storage_path=str(work / "ray_train_storage"),
+                                 failure_config=FailureConfig(max_failures=1)),
+        )
+        trainer.fit()
+    finally:
+        killed = killer.result()
+        ray.shutdown()
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    # An attempt is a worker process: the restart replaces them all.
+    first = [(r["step"], r["time"]) for r in rows if r["pid"] == rows[0]["pid"]]
+    again = [(r["step"], r["time"]) for r in rows if r["pid"] != rows[0]["pid"]]
+    if not again:
+        raise BenchError("Ray Train did not restart after the kill")
+    out = _kill_figures(killed, first, again, rows[-1]["resumed_from"])
+    out.update(step_times=[r["time"] for r in rows], last_loss=rows[-1]["loss"], phases=phases)
+    return out
+
+
+def _ray_train_kill_loop(config: dict[str, Any]) -> None:
+    import tempfile
+
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    spec = config["spec"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(spec["seed"])
+    model = ray.train.torch.prepare_model(build_mlp(spec))
+    optimizer = make_optimizer(model)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
+        getattr(model, "module", model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+    x, y = make_data(spec)
+    every = spec["kill_checkpoint_every"]
+    with open(config["rows_file"], "a") as rows:
+        for step in range(start, spec["kill_steps"]):
+            _arm_kill(spec, step + 1, rank)
+            xb, yb = _rank_batch(spec, x, y, step, rank, world)
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if rank == 0:  # flushed every step: the rows of the attempt that dies must survive it
+                rows.write(json.dumps({"step": step + 1, "time": time.time(), "loss": loss.item(),
+                                       "resumed_from": start, "pid": os.getpid()}) + "\n")
+                rows.flush()
+            if (step + 1) % every == 0 or step + 1 == spec["kill_steps"]:
+                metrics = {"loss": loss.item(), "step": step + 1}
+                if rank == 0:
+                    with tempfile.TemporaryDirectory() as d:
+                        torch.save({"model": getattr(model, "module", model).state_dict(),
+                                    "optimizer": optimizer.state_dict(), "step": step + 1}, Path(d) / "state.pt")
+                        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+                else:
+                    ray.train.report(metrics)
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
     "raw": _run_raw, "ray_train": _run_ray_train, "raytrainer": _run_raytrainer,
+}
+KILL_RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
+    "ray_train": _kill_ray_train, "raytrainer": _kill_raytrainer,
 }
 
 
@@ -328,7 +543,7 @@ def _contender_main(name: str, spec_json: str, result_path: str) -> int:
     spec = json.loads(spec_json)
     work = Path(result_path).parent / f"{name}-work"
     work.mkdir(parents=True, exist_ok=True)
-    out = RUNNERS[name](spec, work)
+    out = (KILL_RUNNERS if spec.get("scenario") == "kill" else RUNNERS)[name](spec, work)
     out["phases"]["contender_main"] = entered
     Path(result_path).write_text(json.dumps(out))
     return 0
@@ -347,17 +562,20 @@ class Figure:
     """Value of one contender run; None while the figure cannot be measured yet."""
     needs: str | None = None
     target: str | None = None
-    target_check: Callable[[dict[str, float]], bool] | None = None
+    target_check: Callable[[dict[str, float], dict[str, float]], bool] | None = None
+    """(medians, ratios) -> met; not called while a value it reads is missing."""
+    scenario: str = "train"
+    """The measurement that produces it (BenchSpec.scenarios)."""
 
 
 def _start_to_first_step(run: dict[str, Any]) -> float | None:
-    if "step_times" not in run:
-        return None  # not a training run (e.g. the checkpoint-stall measurement)
+    if "step_times" not in run or run.get("scenario", "train") != "train":
+        return None  # not a plain training run (a kill run, the checkpoint-stall measurement)
     return run["step_times"][0] - run["launched"]
 
 
 def _steady_steps_per_s(run: dict[str, Any]) -> float | None:
-    if "step_times" not in run:
+    if "step_times" not in run or run.get("scenario", "train") != "train":
         return None
     times = run["step_times"]
     skip = min(int(len(times) * run["warmup_fraction"]), len(times) - 2)
@@ -368,21 +586,25 @@ def _steady_steps_per_s(run: dict[str, Any]) -> float | None:
 FIGURES = (
     Figure("start_to_first_step_s", "process start to first finished step", "s", "lower",
            CONTENDERS, _start_to_first_step, target="<= 1.5x raw DDP",
-           target_check=lambda r: r["raytrainer/raw"] <= 1.5),
+           target_check=lambda m, r: r["raytrainer/raw"] <= 1.5),
     Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
            "higher", CONTENDERS, _steady_steps_per_s, target=">= 0.95x raw DDP",
-           target_check=lambda r: r["raytrainer/raw"] >= 0.95),
+           target_check=lambda m, r: r["raytrainer/raw"] >= 0.95),
+    # Raw DDP has no recovery: a lost worker ends its run (its column shows "-").
     Figure("kill_to_first_step_s", "worker SIGKILL to first step after recovery", "s", "lower",
-           ("ray_train", "raytrainer"), None, needs="fault tolerance",
-           target="<= 5 s and <= 0.25x Ray Train"),
+           ("ray_train", "raytrainer"), lambda run: run.get("kill_to_first_step_s"),
+           target="<= 5 s and <= 0.25x Ray Train",
+           target_check=lambda m, r: m["raytrainer"] <= 5 and r["raytrainer/ray_train"] <= 0.25,
+           scenario="kill"),
     Figure("steps_lost", "steps lost to a worker SIGKILL", "steps", "lower",
-           ("ray_train", "raytrainer"), None, needs="fault tolerance", target="<= 1"),
+           ("ray_train", "raytrainer"), lambda run: run.get("steps_lost"), target="<= 1",
+           target_check=lambda m, r: m["raytrainer"] <= 1, scenario="kill"),
     Figure("grow_pause_s", "pause to grow the group by one worker", "s", "lower",
            ("ray_train", "raytrainer"), None, needs="elastic resizing"),
     Figure("checkpoint_stall_sync_s", "training stall per checkpoint, sync", "s", "lower",
-           ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s")),
+           ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s"), scenario="stall"),
     Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
-           ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s")),
+           ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s"), scenario="stall"),
 )
 
 
@@ -415,8 +637,9 @@ def measure_checkpoint_stall(model_mb: int, work: Path) -> dict[str, Any]:
             "checkpoint_bytes": ckpts.committed()[-1].manifest["files"]["state.pt"]["size"]}
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per figure: per-contender values and medians, ratios, target."""
+def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) -> list[dict[str, Any]]:
+    """One entry per figure: per-contender values and medians, ratios, target. Figures of a
+    scenario not in `scenarios` (all, if None) are "not measured (not run)"."""
     out = []
     for fig in FIGURES:
         entry: dict[str, Any] = {"key": fig.key, "title": fig.title, "unit": fig.unit,
@@ -427,12 +650,20 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          medians=None, ratios=None, target_met=None)
             out.append(entry)
             continue
+        if scenarios is not None and fig.scenario not in scenarios:
+            entry.update(status="not measured", reason=f"not run: --scenarios {fig.scenario}", values=None,
+                         medians=None, ratios=None, target_met=None)
+            out.append(entry)
+            continue
         values = {c: [v for r in runs if r["contender"] == c and (v := fig.extract(r)) is not None]
                   for c in fig.contenders}
         medians = {c: statistics.median(v) for c, v in values.items() if v}
         ratios = {f"raytrainer/{c}": medians["raytrainer"] / medians[c]
                   for c in fig.contenders if c != "raytrainer" and medians.get(c)}
-        met = fig.target_check(ratios) if fig.target_check and "raytrainer/raw" in ratios else None
+        try:
+            met = fig.target_check(medians, ratios) if fig.target_check else None
+        except KeyError:  # a contender is missing (or its median is 0 and has no ratio)
+            met = None
         entry.update(status="measured", values=values, medians=medians, ratios=ratios, target_met=met)
         out.append(entry)
     return out
@@ -440,9 +671,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- driver
 
-def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path) -> dict[str, Any]:
+def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train") -> dict[str, Any]:
     """Run one contender in a fresh process; return its result with the launch time."""
-    result_path = tmp / f"{name}-{rep}" / "result.json"
+    result_path = tmp / (f"{name}-{rep}" if scenario == "train" else f"{name}-{scenario}-{rep}") / "result.json"
     result_path.parent.mkdir(parents=True)
     log_path = result_path.parent / "log.txt"
     env = dict(os.environ)
@@ -450,7 +681,7 @@ def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
-           json.dumps(asdict(spec)), str(result_path)]
+           json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
     # Other work on the machine skews every figure: keep the load next to each run.
     load_before = os.getloadavg()[0]
     with open(log_path, "w") as log:
@@ -471,8 +702,8 @@ def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path) -> dict[str, Any]:
     result = json.loads(result_path.read_text())
     if not result.get("step_times"):
         raise BenchError(f"bench contender {LABELS[name]} recorded no step")
-    result.update(contender=name, repetition=rep, launched=launched, load_before=load_before,
-                  warmup_fraction=spec.warmup_fraction)
+    result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
+                  load_before=load_before, warmup_fraction=spec.warmup_fraction)
     return result
 
 
@@ -522,7 +753,8 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
         runs = []
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
-            for name in order:
+            scenarios = spec.scenario_list
+            for name in order if "train" in scenarios else ():
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: {LABELS[name]} ...")
                 run = _launch(name, spec, rep, Path(tmp))
                 log(f"bench:   first step after {_start_to_first_step(run):.2f} s, "
@@ -530,15 +762,27 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
                 if keep_in is None:
                     run.pop("run_dir", None)  # about to be deleted
                 runs.append(run)
-            log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
-                f"{spec.checkpoint_mb} MB model ...")
-            runs.append(measure_checkpoint_stall(spec.checkpoint_mb, Path(tmp) / f"stall-{rep}"))
+            for name in [c for c in order if c in KILL_RUNNERS] if "kill" in scenarios else ():
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: {LABELS[name]}, worker SIGKILL "
+                    f"at step {spec.kill_step} of {spec.kill_steps} ...")
+                run = _launch(name, spec, rep, Path(tmp), scenario="kill")
+                log(f"bench:   step {run['step_at_kill']} reached, resumed from {run['resumed_from']}, "
+                    f"first step {run['kill_to_first_step_s']:.2f} s after the kill")
+                if keep_in is None:
+                    run.pop("run_dir", None)
+                runs.append(run)
+            if "stall" in scenarios:
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
+                    f"{spec.checkpoint_mb} MB model ...")
+                runs.append({**measure_checkpoint_stall(spec.checkpoint_mb, Path(tmp) / f"stall-{rep}"),
+                             "scenario": "stall"})
     report = {
         "command": " ".join(["raytrainer bench", *_spec_args(spec)]),
         "machine": machine(),
         "settings": asdict(spec),
         "contenders": LABELS,
-        "figures": summarize(runs),
+        "figures": summarize(runs, spec.scenario_list),
+        "notes": notes(spec),
         "runs": runs,
         "seconds": round(time.time() - started, 1),
     }
@@ -554,6 +798,20 @@ def _spec_args(spec: BenchSpec) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the table
+
+def notes(spec: BenchSpec) -> list[str]:
+    """How the figures were measured, where the table alone cannot say."""
+    out = []
+    if "kill" in spec.scenario_list:
+        out.append(
+            f"Kill runs: {spec.kill_steps} steps each; the last rank is SIGKILLed from outside (os.kill "
+            f"of its pid by the contender's process) as soon as it starts step {spec.kill_step}, so it dies "
+            f"mid-step; both contenders checkpoint every {spec.kill_checkpoint_every} steps (Ray Train "
+            "also reports only then, FailureConfig(max_failures=1), restarting its whole group from the "
+            "last checkpoint; raytrainer with its default warm spare). Time: from the kill to the end of "
+            "rank 0's first step after the restart; steps lost: the furthest step rank 0 finished before "
+            "the failure minus the step training resumed from. Raw DDP has no recovery.")
+    return out
 
 def _fmt(value: float | None) -> str:
     if value is None:
@@ -596,6 +854,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetitions", type=int, default=d.repetitions)
     parser.add_argument("--checkpoint-mb", type=int, default=d.checkpoint_mb,
                         help="model size for the checkpoint-stall figures")
+    parser.add_argument("--kill-steps", type=int, default=d.kill_steps, help="optimizer steps of the kill runs")
+    parser.add_argument("--kill-step", type=int, default=d.kill_step,
+                        help="the step at which one worker is SIGKILLed in the kill runs")
+    parser.add_argument("--kill-checkpoint-every", type=int, default=d.kill_checkpoint_every,
+                        help="checkpoint (and Ray Train report) cadence in the kill runs")
+    parser.add_argument("--scenarios", default=d.scenarios,
+                        help="comma-separated subset of train (start-up, steps/s), kill (worker SIGKILL), "
+                             "stall (checkpoint stall)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per contender run")
     parser.add_argument("--smoke", action="store_true",
                         help="a few steps, one repetition, a tiny model: checks the bench works")
@@ -604,7 +870,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     keys = ("workers", "hidden", "layers", "global_batch_size", "samples", "steps", "ray_train_steps",
-            "repetitions", "timeout_s", "checkpoint_mb")
+            "repetitions", "timeout_s", "checkpoint_mb", "kill_steps", "kill_step", "kill_checkpoint_every",
+            "scenarios")
     values = {k: getattr(args, k) for k in keys}
     if args.smoke:
         default = BenchSpec()
@@ -619,6 +886,8 @@ def main(args: argparse.Namespace) -> int:
           f"{report['settings']['workers']} CPU workers, Gloo; medians of "
           f"{report['settings']['repetitions']} repetition(s)")
     print(format_table(report))
+    for note in report["notes"]:
+        print(f"\n{note}")
     if args.out:
         print(f"wrote {args.out}")
     return 0

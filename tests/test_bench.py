@@ -60,8 +60,9 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert report["settings"]["steps"] == smoke.steps and report["settings"]["repetitions"] == 1
     # One run per contender, each with one timestamp per step: every step's metrics arrived.
     stall = [r for r in report["runs"] if "checkpoint_stall_sync_s" in r]
-    runs = {r["contender"]: r for r in report["runs"] if r not in stall}
-    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 4
+    kills = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "kill"}
+    runs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "train"}
+    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 6
     for name, run in runs.items():
         assert len(run["step_times"]) == smoke.steps_for(name), name
         assert run["step_times"] == sorted(run["step_times"])
@@ -80,13 +81,28 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert len(stall) == 1 and stall[0]["checkpoint_bytes"] > 12 * 2**20
     for key in ("checkpoint_stall_sync_s", "checkpoint_stall_async_s"):
         assert figures[key]["status"] == "measured" and figures[key]["medians"]["raytrainer"] > 0
+    # One worker of Ray Train and of raytrainer was SIGKILLed from outside mid-run; both
+    # went on to the end, and the figures come from what each did after the kill.
+    assert sorted(kills) == ["ray_train", "raytrainer"]
+    for name, run in kills.items():
+        assert run["kill_armed_step"] == smoke.kill_step and run["killed_rank"] == smoke.workers - 1, name
+        assert run["step_times"][-1] > run["killed_at"] and run["kill_to_first_step_s"] > 0, name
+        assert run["steps_lost"] == run["step_at_kill"] - run["resumed_from"] >= 0, name
+    rec = kills["raytrainer"]["recovered_event"]
+    assert kills["raytrainer"]["steps_lost"] == rec["steps_lost"] and rec["replaced"] == [smoke.workers - 1]
+    for key in ("kill_to_first_step_s", "steps_lost"):
+        fig = figures[key]
+        assert fig["status"] == "measured" and set(fig["medians"]) == {"ray_train", "raytrainer"}
+        assert isinstance(fig["target_met"], bool)
     unmeasured = [f for f in report["figures"] if f["status"] != "measured"]
-    assert {f["key"] for f in unmeasured} == {"kill_to_first_step_s", "steps_lost", "grow_pause_s"}
+    assert {f["key"] for f in unmeasured} == {"grow_pause_s"}
     for fig in unmeasured:
         assert fig["status"] == "not measured" and fig["reason"].startswith("needs ")
         assert fig["medians"] is None and fig["values"] is None
-    # The printed table has a row per figure; unmeasured rows say why instead of a number.
-    assert printed.count("not measured (needs fault tolerance)") == 2
+    # The printed table has a row per figure; unmeasured rows say why instead of a number;
+    # raw DDP, which cannot recover, shows "-" in the kill rows.
+    assert printed.count("not measured (needs elastic resizing)") == 1
+    assert "| worker SIGKILL to first step after recovery (s) | - |" in printed
     assert sum(line.startswith("| ") for line in printed.splitlines()) == 1 + len(bench.FIGURES)
 
     # raytrainer's run is a real finished run directory: plot it.
@@ -125,3 +141,14 @@ def test_figures_from_timestamps():
     assert start["ratios"] == {"raytrainer/raw": pytest.approx(5 / 3), "raytrainer/ray_train": 1.25}
     assert start["target_met"] is False  # 1.67x raw misses <= 1.5x
     assert figures["steps_per_s"]["target_met"] is True
+    # Kill runs count only for the kill figures, and the kill targets read the medians.
+    kills = [{"contender": "ray_train", "scenario": "kill", "kill_to_first_step_s": 20.0, "steps_lost": 25},
+             {"contender": "raytrainer", "scenario": "kill", "kill_to_first_step_s": 3.0, "steps_lost": 0}]
+    figures = {f["key"]: f for f in bench.summarize(runs + kills)}
+    assert figures["start_to_first_step_s"]["medians"] == start["medians"]
+    assert figures["kill_to_first_step_s"]["ratios"] == {"raytrainer/ray_train": 0.15}
+    assert figures["kill_to_first_step_s"]["target_met"] is True and figures["steps_lost"]["target_met"] is True
+    assert figures["kill_to_first_step_s"]["medians"].get("raw") is None
+    # A scenario left out is said to be, not measured as nothing.
+    figures = {f["key"]: f for f in bench.summarize(runs, ["train"])}
+    assert figures["steps_lost"]["status"] == "not measured" and figures["steps_lost"]["reason"].startswith("not run")
