@@ -222,7 +222,7 @@ class FailureConfig:
     null: never time out."""
     warm_spare: bool = True
     """Keep one idle worker process ready (torch imported, no resources held) to replace a
-    lost CPU worker in well under a second instead of a cold start of seconds."""
+    lost CPU worker without a cold start (measured: recovery 1.4 s instead of 2.5-4.7 s)."""
     chaos: list[ChaosFault] = field(default_factory=list)
     """Faults to inject (see ChaosFault)."""
 
