@@ -10,25 +10,27 @@ import sys
 from .errors import ConfigError, RaytrainerError
 
 
+def _run_options(parser: argparse.ArgumentParser, example: str) -> None:
+    """The options `train` and `resume` share."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
+    parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the task a YAML config describes")
     train.add_argument("config", help="path to a YAML config, e.g. configs/digits.yaml")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set trainer.max_epochs=3 (repeatable)")
-    train.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
-    train.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+    _run_options(train, "trainer.max_epochs=3")
     train.add_argument("--fast-dev-run", type=int, nargs="?", const=2, metavar="N",
                        help="debug: N training steps (default 2) and N validation batches, then stop")
     train.add_argument("--overfit-batches", type=int, metavar="N",
                        help="debug: train on the same first N global batches every epoch")
     resume = sub.add_parser("resume", help="continue a run from its newest committed checkpoint")
     resume.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535")
-    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set scaling.num_workers=1 (repeatable)")
-    resume.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
-    resume.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+    _run_options(resume, "scaling.num_workers=1")
     bench = sub.add_parser("bench", help="time raytrainer against raw torch DDP and Ray Train")
     from .bench import add_arguments
 

@@ -236,11 +236,10 @@ class Controller:
     def _record(self, rows: list[dict[str, Any]]) -> None:
         # A training row at or before the last one recorded was re-sent by a worker that
         # redid a step after a recovery: the first one stands.
-        rows = [r for r in rows if any(k.startswith("val_") for k in r) or r["step"] > self._train_step]
+        rows = [r for r in rows if _is_val(r) or r["step"] > self._train_step]
         if not rows:
             return
-        self._train_step = max([self._train_step] + [r["step"] for r in rows if not any(
-            k.startswith("val_") for k in r)])
+        self._train_step = max([self._train_step] + [r["step"] for r in rows if not _is_val(r)])
         self.step = max(self.step, rows[-1]["step"])
         self.hub.write(rows)
         for row in rows:  # driver-side callbacks see the same boundaries, from the rows
@@ -253,6 +252,10 @@ class Controller:
             val = {k: v for k, v in row.items() if k.startswith("val_")}
             if val:
                 self.callbacks("on_validation_end", self.ctx, val)
+
+
+def _is_val(row: dict[str, Any]) -> bool:
+    return any(k.startswith("val_") for k in row)
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
