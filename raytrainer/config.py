@@ -84,8 +84,10 @@ class TrainerConfig:
     global_batch_size: int = 32
     """Samples per optimizer step across all workers; fixes the maths whatever the worker count."""
     micro_batch_size: int | None = None
-    """Samples per forward pass on one worker; None means global_batch_size / num_workers
-    (no accumulation). Otherwise steps accumulate global / (workers * micro) micro-batches."""
+    """Samples per forward pass on one worker; None means global_batch_size / world size,
+    rounded up (no accumulation). Otherwise each rank accumulates its share of the global
+    batch in ceil(share / micro_batch_size) micro-batches. Any split works: where the world
+    size does not divide the batch, some ranks take one sample more (see data.py)."""
     seed: int = 0
     val_every_n_steps: int | None = None
     """Validate every N optimizer steps (besides at every epoch end); None: epoch ends only."""
@@ -131,6 +133,13 @@ class TrainerConfig:
 @dataclass(kw_only=True)
 class ScalingConfig:
     num_workers: int = 1
+    """The worker count of a fixed-size run, and the default of min_workers and max_workers."""
+    min_workers: int | None = None
+    """Elastic runs: start as soon as this many workers are placed, and keep training on
+    no fewer (default: num_workers)."""
+    max_workers: int | None = None
+    """Elastic runs: grow up to this many workers as the cluster gains room (default: the
+    larger of num_workers and min_workers). The global batch stays the same at any size."""
     use_gpu: Literal["auto"] | bool = "auto"
     """auto: one GPU per worker when the cluster has GPUs, otherwise CPU."""
     resources_per_worker: dict[str, float] | None = None
@@ -138,13 +147,30 @@ class ScalingConfig:
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     placement_timeout_s: float = 60.0
-    """How long to wait for the cluster to place all workers before failing."""
+    """How long to wait for the cluster to place min_workers workers before failing (at
+    the start, and when a failure leaves fewer than min_workers)."""
+    replace_timeout_s: float = 10.0
+    """Elastic runs: how long a lost worker's replacement may take to be placed before the
+    survivors (at least min_workers) go on without it."""
 
     def __post_init__(self):
-        if self.num_workers < 1:
-            raise ConfigError(f"scaling.num_workers={self.num_workers} must be >= 1")
-        if self.placement_timeout_s <= 0:
-            raise ConfigError("scaling.placement_timeout_s must be > 0")
+        for key in ("num_workers", "min_workers", "max_workers"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"scaling.{key}={value} must be >= 1")
+        if self.min_workers is None:
+            self.min_workers = self.num_workers
+        if self.max_workers is None:
+            self.max_workers = max(self.num_workers, self.min_workers)
+        if self.min_workers > self.max_workers:
+            raise ConfigError(
+                f"scaling.min_workers={self.min_workers} is more than scaling.max_workers="
+                f"{self.max_workers}; lower min_workers or raise max_workers (both default "
+                "to num_workers)"
+            )
+        for key in ("placement_timeout_s", "replace_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"scaling.{key} must be > 0")
         for name, amount in (self.resources_per_worker or {}).items():
             if amount < 0:
                 raise ConfigError(f"scaling.resources_per_worker.{name}={amount} must be >= 0")
@@ -267,26 +293,19 @@ class Config:
     class sets on_driver = True."""
 
     def __post_init__(self):
-        t, workers = self.trainer, self.scaling.num_workers
-        micro = t.micro_batch_size
-        if micro is None:
-            if t.global_batch_size % workers:
-                raise ConfigError(
-                    f"trainer.global_batch_size={t.global_batch_size} does not split evenly over "
-                    f"scaling.num_workers={workers}; make it a multiple of {workers} "
-                    "or set trainer.micro_batch_size so that workers * micro_batch_size divides it"
-                )
-        elif t.global_batch_size % (workers * micro):
+        batch, workers = self.trainer.global_batch_size, self.scaling.max_workers
+        if workers > batch:
             raise ConfigError(
-                f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
-                f"scaling.num_workers * trainer.micro_batch_size = {workers} * {micro}; "
-                "change one of the three so it is"
+                f"up to {workers} workers (scaling.max_workers, default num_workers) cannot share "
+                f"trainer.global_batch_size={batch}: each needs at least one sample; raise the "
+                "batch or lower the worker count"
             )
         for fault in self.failure.chaos:
             if fault.rank is not None and fault.rank >= workers:
                 raise ConfigError(
-                    f"failure.chaos ({fault.action}): rank={fault.rank} but scaling.num_workers={workers}; "
-                    f"use a rank below {workers} or null for a random one"
+                    f"failure.chaos ({fault.action}): rank={fault.rank} but there are at most "
+                    f"{workers} workers (scaling.max_workers, default num_workers); use a rank "
+                    f"below {workers} or null for a random one"
                 )
 
     def to_dict(self) -> dict[str, Any]:

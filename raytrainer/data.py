@@ -9,8 +9,14 @@ or a resize continues at the same global sample index.
 
 Remainder policy: an epoch has len(dataset) // G steps; the last partial
 global batch is dropped. The permutation changes every epoch, so over epochs
-every sample is used. Every rank gets exactly the same number of micro-batches,
-so no rank waits on another in a collective.
+every sample is used.
+
+Any world size up to G works, so an elastic run never meets one it cannot use:
+where W does not divide G, the first G % W ranks take one sample more. Every rank
+runs the same number of micro-batches (DDP syncs on the last one, on every rank),
+so a micro-batch may hold one sample more than micro_batch_size, and the loop
+weights each micro-batch's loss by its share of the global batch
+(`loss_divisor`): the gradient is the global batch's mean whatever the split.
 """
 
 from __future__ import annotations
@@ -42,21 +48,17 @@ class BatchPlan:
                 f"batch (trainer.global_batch_size={self.global_batch_size}); lower the batch "
                 "size or use more data"
             )
-        per_rank, rest = divmod(self.global_batch_size, self.world_size)
-        if rest or per_rank % self.micro_batch_size:
+        if self.world_size > self.global_batch_size:
             raise ConfigError(
-                f"trainer.global_batch_size={self.global_batch_size} cannot be split into "
-                f"{self.world_size} workers x micro-batches of {self.micro_batch_size}"
+                f"{self.world_size} workers cannot share a global batch of {self.global_batch_size} "
+                "samples (trainer.global_batch_size): each needs at least one; lower "
+                "scaling.max_workers or raise the batch"
             )
 
     @property
-    def per_rank(self) -> int:
-        return self.global_batch_size // self.world_size
-
-    @property
     def accumulation(self) -> int:
-        """Micro-batches per rank per optimizer step."""
-        return self.per_rank // self.micro_batch_size
+        """Micro-batches per rank per optimizer step (the same on every rank)."""
+        return max(1, -(-(self.global_batch_size // self.world_size) // self.micro_batch_size))
 
     @property
     def steps_per_epoch(self) -> int:
@@ -66,11 +68,23 @@ class BatchPlan:
     def order(self, epoch: int) -> torch.Tensor:
         return _permutation(self.dataset_size, self.seed, 0 if self.overfit_batches else epoch)
 
+    def shard(self, rank: int) -> tuple[int, int]:
+        """(offset, count) of `rank`'s contiguous share of a global batch."""
+        base, extra = divmod(self.global_batch_size, self.world_size)
+        return rank * base + min(rank, extra), base + (rank < extra)
+
     def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[torch.Tensor]:
         """Global sample indices of `rank`'s micro-batches for one optimizer step."""
-        start = step_in_epoch * self.global_batch_size + rank * self.per_rank
-        mine = self.order(epoch)[start : start + self.per_rank]
-        return list(mine.split(self.micro_batch_size))
+        offset, count = self.shard(rank)
+        start = step_in_epoch * self.global_batch_size + offset
+        return list(self.order(epoch)[start : start + count].tensor_split(self.accumulation))
+
+    def loss_divisor(self, micro_batch: int) -> float:
+        """What a micro-batch's mean loss is divided by so that DDP's average over ranks of
+        the summed micro-batch gradients is the mean over the global batch: the global batch
+        over (micro-batch size x world size), i.e. the accumulation count when every split
+        is even (an exact integer then: the same arithmetic as a plain division by it)."""
+        return self.global_batch_size / (micro_batch * self.world_size)
 
 
 @lru_cache(maxsize=2)

@@ -2,9 +2,10 @@
 
 One code path for 1 or N workers. An optimizer step consumes one global batch:
 this rank's share of it in `accumulation` micro-batches, gradients synchronised
-by DDP on the last micro-batch only. Each micro-batch loss is divided by the
-number of micro-batches and DDP averages over ranks, so the gradient is the
-mean over the whole global batch whatever the worker count. Everything that
+by DDP on the last micro-batch only. Each micro-batch loss is weighted by its
+share of the global batch (plan.loss_divisor: the number of micro-batches when
+the split is even) and DDP averages over ranks, so the gradient is the mean over
+the whole global batch whatever the worker count. Everything that
 happens once per optimizer step (unscaling, clipping, the optimizer, the
 scheduler, EMA) happens after the last micro-batch, never inside one.
 
@@ -19,6 +20,11 @@ and what a step interrupted half-way changed (gradients, BatchNorm buffers) is
 undone by `abandon_step`, so a survivor's state is the state after `self.step`.
 And the work after a step (validation, logging, checkpoint) is flagged pending
 until done, so a step interrupted there is finished, not skipped, on resume.
+
+An elastic resize pauses every rank at the same step boundary: a rank asked to
+pause (`request_pause`, from the driver) says so in the next metrics all-reduce,
+and when that reduction is collected, at the same step on every rank, all of them
+see it and stop (`paused`), with nothing half-done, to be regrouped.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ class Loop:
                  checkpoints: Checkpoints | None = None, checkpoint_cfg: CheckpointConfig | None = None,
                  notify: Callable[[dict[str, Any]], None] | None = None,
                  chaos: list[ChaosFault] | None = None, chaos_claim: Callable[[int, int], bool] | None = None,
-                 state: dict[str, Any] | None = None):
+                 state: dict[str, Any] | None = None, max_world_size: int | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         self._report = report
@@ -73,7 +79,9 @@ class Loop:
         # The same seed on every rank and at every world size: identical initial weights.
         torch.manual_seed(cfg.seed)
         module = task.build_model()
-        if cfg.sync_batchnorm and world_size > 1:
+        # Decided once for the whole run: every rank must run the same collectives, and
+        # an elastic run may grow past one worker later.
+        if cfg.sync_batchnorm and max(world_size, max_world_size or 0) > 1:
             module = convert_sync_batchnorm(module, device)
         self.module = module.to(device)
         self.optimizer = task.build_optimizer(self.module)
@@ -139,6 +147,9 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.latest_metrics: dict[str, float] = {}  # what keep_best ranks checkpoints by
         self._saved_step = -1
+        self.pause_requested = False  # set by the driver's thread: pause at a common step
+        self._pause_agreed = False  # some rank asked, and every rank knows it at this step
+        self.paused = False
 
     # ------------------------------------------------------------------ loop
 
@@ -155,11 +166,16 @@ class Loop:
                 self._after_step()
             if self.step >= self.total_steps or self.stop_reason is not None:
                 break
+            if self._pause_agreed:
+                self.paused = True
+                break
             self.epoch, in_epoch = divmod(self.step, self.plan.steps_per_epoch)
             if in_epoch == 0:
                 self.callbacks("on_epoch_start", self)
             self.train_step(self.epoch, in_epoch)
         self.flush(wait=True)
+        if self.paused:  # for a resize: regroup(), then fit() again
+            return None
         if not self.cfg.fast_dev_run:
             self.save_checkpoint()  # the end of the run (a no-op if this step is saved)
             if self._writer is not None:
@@ -196,20 +212,20 @@ class Loop:
         micro_batches = self.plan.micro_batches(epoch, in_epoch, self.rank)
         last = len(micro_batches) - 1
         lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this step uses
-        total = None
+        total = None  # the step's metrics, weighted like the loss (this rank's share)
         for i, index in enumerate(micro_batches):
+            divisor = self.plan.loss_divisor(len(index))
             sync = i == last or self.model is self.module
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self._in_user_code():
                     batch = to_device(fetch(self.train_data, index), self.device)
                     with self._autocast():
                         out = self.task.train_step(self.model, batch)
-                loss = self._loss_of(out) / len(micro_batches)
+                loss = self._loss_of(out) / divisor
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             self.progress += 1
-            values = self._stack(out, "train")
+            values = self._stack(out, "train") / divisor
             total = values if total is None else total + values
-        total = total / len(micro_batches)
 
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
@@ -291,12 +307,16 @@ class Loop:
         if self._window:
             window, self._window = self._window, []
             values = torch.stack([v for _, v in window])
+            # One more column: whether this rank was asked to pause (see the module doc).
+            flag = torch.full((len(window), 1), float(self.pause_requested), device=values.device)
+            values = torch.cat([values, flag], dim=1)
             self._pending.append((all_reduce_sum(values, async_op=True), values, window))
         while self._pending and (wait or len(self._pending) > 1):
             work, values, window = self._pending.pop(0)
             if work is not None:
                 work.wait()
-            means = (values / self.world_size).tolist()
+            self._pause_agreed |= bool(values[-1, -1] > 0)
+            means = (values[:, :-1] / self.world_size).tolist()
             keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
             rows = [{**info, **dict(zip(keys, v))} for (info, _), v in zip(window, means)]
             self.latest_metrics.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
@@ -398,6 +418,7 @@ class Loop:
         self.report = (report_to or self._report) if rank == 0 else _drop
         self.plan = self._plan()
         self.model = self._wrap()
+        self.pause_requested = self._pause_agreed = self.paused = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -408,7 +429,7 @@ class Loop:
         return DistributedDataParallel(self.module, device_ids=device_ids)
 
     def _plan(self) -> BatchPlan:
-        micro = self.cfg.micro_batch_size or self.cfg.global_batch_size // self.world_size
+        micro = self.cfg.micro_batch_size or -(-self.cfg.global_batch_size // self.world_size)
         return BatchPlan(len(self.train_data), self.cfg.global_batch_size, micro, self.world_size,
                          self.cfg.seed, overfit_batches=self.cfg.overfit_batches)
 

@@ -6,6 +6,8 @@ driver can drain metrics, read progress and dump stacks while `run` trains).
 When a peer fails, `run` returns "interrupted" instead of raising: the process,
 its model and its optimizer stay, at the last step this worker completed, ready
 for the driver to re-form the group (`regroup`) and copy state (`get_state`).
+Asked to make room for more workers (`request_pause`), `run` returns "paused" at a
+step boundary that every rank agrees on, ready for the same.
 """
 
 from __future__ import annotations
@@ -84,14 +86,17 @@ class Worker:
             self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
                              report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(rank),
                              checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
-                             chaos_claim=self._chaos_claim,
+                             chaos_claim=self._chaos_claim, max_world_size=cfg.scaling.max_workers,
                              state=_load(resume) if resume is not None else None)
             return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
 
     def run(self) -> dict[str, Any]:
         """Train to the end and return {"status": "finished", ...} (rank 0 adds the final
-        weights as torch.save bytes), or {"status": "interrupted", "step": ...} when a
-        peer failed; raise WorkerError when this worker's own code did."""
+        weights as torch.save bytes), {"status": "interrupted", "step": ...} when a peer
+        failed, or {"status": "paused", ...} when asked to; raise WorkerError when this
+        worker's own code did."""
+        import time
+
         from .dist import destroy_group
 
         try:
@@ -106,6 +111,8 @@ class Worker:
             return {"status": "interrupted", "step": self.loop.step, "after_pending": self.loop._after_pending,
                     "cause": f"{type(exc).__name__}: {exc}"}
         destroy_group()
+        if self.loop.paused:
+            return {"status": "paused", "step": self.loop.step, "time": time.time()}
         result = {"status": "finished", "stop_reason": self.loop.stop_reason, "model": None,
                   "step": self.loop.step}
         if weights is not None:
@@ -121,6 +128,11 @@ class Worker:
             return {"step": 0, "progress": 0, "phase": "setup", "after_pending": False}
         return {"step": loop.step, "progress": loop.progress, "phase": loop.phase,
                 "after_pending": loop._after_pending}
+
+    def request_pause(self) -> None:
+        """Pause `run` at the next step boundary all ranks agree on (answered while it trains)."""
+        if self.loop is not None:
+            self.loop.pause_requested = True
 
     def dump_stacks(self) -> str:
         """Every thread's Python stack, for a worker about to be killed as hung."""
@@ -144,7 +156,8 @@ class Worker:
             if state is not None:
                 self.loop.load_state_dict(_load(state))
             self.rank = rank
-            self.loop.checkpoints = self.loop.checkpoints or self._checkpoints(rank)
+            # Only rank 0 writes, and ranks are renumbered when the group shrinks.
+            self.loop.checkpoints = (self.loop.checkpoints or self._checkpoints(0)) if rank == 0 else None
             self.loop.regroup(rank, world_size)
             return {"step": self.loop.step}
 

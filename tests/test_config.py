@@ -35,8 +35,11 @@ def test_yaml_file_and_overrides(tmp_path):
     (["scaling.placement=RANDOM"], ["scaling.placement", "'PACK'", "'SPREAD'"]),
     (["scaling.use_gpu=maybe"], ["scaling.use_gpu", "'auto'", "bool"]),
     (["scaling.backend=mpi"], ["scaling.backend", "'nccl'", "'gloo'"]),
-    (["trainer.global_batch_size=33"], ["global_batch_size=33", "num_workers=2"]),
-    (["trainer.micro_batch_size=5"], ["num_workers * trainer.micro_batch_size"]),
+    (["trainer.global_batch_size=2", "scaling.max_workers=3"], ["3 workers", "global_batch_size=2"]),
+    (["scaling.min_workers=3", "scaling.max_workers=2"], ["scaling.min_workers=3", "max_workers=2"]),
+    (["scaling.max_workers=0"], ["scaling.max_workers=0", ">= 1"]),
+    (["scaling.replace_timeout_s=0"], ["scaling.replace_timeout_s", "> 0"]),
+    (["failure.chaos=[{action: kill, step: 1, rank: 2}]"], ["rank=2", "at most 2 workers"]),
     (["trainer.max_epochs=null"], ["max_epochs or trainer.max_steps"]),
     (["trainer.max_steps=0", "trainer.max_epochs=null"], ["trainer.max_steps=0", "positive"]),
     (["task.target=nocolon"], ["task.target", "package.module:ClassName"]),
@@ -50,6 +53,17 @@ def test_bad_values_name_the_key(overrides, words):
         load_config(BASE, overrides)
     for word in words:
         assert word in str(info.value)
+
+
+def test_worker_count_bounds_default_to_num_workers():
+    fixed = load_config(BASE).scaling
+    assert (fixed.min_workers, fixed.max_workers) == (2, 2)
+    grows = load_config(BASE, ["scaling.max_workers=3"]).scaling
+    assert (grows.min_workers, grows.max_workers) == (2, 3)
+    shrinks = load_config(BASE, ["scaling.min_workers=1"]).scaling
+    assert (shrinks.min_workers, shrinks.max_workers) == (1, 2)
+    # Any split of the batch is valid now: 33 over 2 workers, micro-batches of 5.
+    assert load_config(BASE, ["trainer.global_batch_size=33", "trainer.micro_batch_size=5"])
 
 
 def test_missing_file_and_missing_section(tmp_path):

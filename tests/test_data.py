@@ -36,6 +36,34 @@ def test_every_rank_gets_the_same_number_of_micro_batches():
     assert counts == {4}
 
 
+@pytest.mark.parametrize("world, micro", [(3, 8), (5, 5), (7, 2), (24, 1), (5, 100)])
+def test_uneven_splits_keep_the_samples_and_weigh_them_alike(world, micro):
+    """Where the world size does not divide the batch (an elastic run at 5 of 24), the
+    step still holds the same samples, every rank runs the same number of micro-batches,
+    and the loss weights (1 / divisor) sum to what a plain mean over the batch gives."""
+    ref = BatchPlan(100, 25, 25, 1, seed=3)
+    plan = BatchPlan(100, 25, micro, world, seed=3)
+    for step in range(plan.steps_per_epoch):
+        assert torch.equal(step_samples(plan, 1, step), step_samples(ref, 1, step))
+        per_rank = [plan.micro_batches(1, step, r) for r in range(world)]
+        assert len({len(m) for m in per_rank}) == 1 and all(len(b) > 0 for m in per_rank for b in m)
+        # DDP averages over ranks the sum of each micro-batch's mean loss / divisor: that
+        # must weigh every sample by 1 / 25.
+        weights = [1 / plan.loss_divisor(len(b)) / world for m in per_rank for b in m]
+        assert sum(weights) == pytest.approx(1.0)
+        assert all(w / len(b) == pytest.approx(1 / 25) for w, b in zip(weights, (b for m in per_rank for b in m)))
+
+
+def test_even_splits_divide_the_loss_by_the_accumulation_exactly():
+    plan = BatchPlan(100, 24, 4, 2, seed=0)
+    assert plan.accumulation == 3 and plan.loss_divisor(4) == 3.0
+
+
+def test_more_workers_than_samples_in_a_batch():
+    with pytest.raises(ConfigError, match="5 workers cannot share a global batch of 4"):
+        BatchPlan(100, 4, 1, 5, seed=0)
+
+
 def test_dataset_smaller_than_a_global_batch():
     with pytest.raises(ConfigError, match="8 samples, fewer than one global batch"):
         BatchPlan(8, 32, 16, 2, seed=0)

@@ -66,6 +66,6 @@ def test_trains_across_the_allocation_and_stops_ray(tmp_path):
 
 
 def test_the_runs_exit_status_is_the_jobs(tmp_path):
-    proc = sbatch(tmp_path, "--set", "scaling.num_workers=3", nodes="n1")  # one node: quicker
+    proc = sbatch(tmp_path, "--set", "scaling.max_workers=65", nodes="n1")  # one node: quicker
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "global_batch_size=64 does not split evenly over scaling.num_workers=3" in proc.stderr
+    assert "up to 65 workers (scaling.max_workers" in proc.stderr
