@@ -160,9 +160,10 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str
     upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
     driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks
                                  + ([upload] if upload else []))
-    controller = Controller(group, config.scaling.num_workers, hub, events, progress=bar,
+    controller = Controller(group, config.scaling.min_workers, hub, events, progress=bar,
                             callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
-                            failure=config.failure, restore=lambda: _latest(config, storage))
+                            failure=config.failure, restore=lambda: _latest(config, storage),
+                            max_workers=config.scaling.max_workers)
     try:
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"

@@ -4,6 +4,7 @@
          \\        |  ^ \\-> FAILED
           \\       v  |
            \\-> RECOVERING -> FAILED
+         (RUNNING -> RESIZING -> RUNNING when an elastic run grows)
 
 The controller knows no torch and no Ray: it drives any worker group
 (group.RayWorkerGroup in production, a fake in tests), writes every lifecycle
@@ -14,7 +15,11 @@ whatever happened.
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
 its state to the others, and training goes on. Only when no worker survived does
-a checkpoint from storage (`restore`) take their place.
+a checkpoint from storage (`restore`) take their place. In an elastic run a lost
+worker that cannot be replaced in time is dropped (the group shrinks), and when
+the cluster has room for more workers (up to max_workers) the workers pause at a
+common step, the newcomers are started and take the state, and the group grows.
+Every change of the world size is a `resized` event.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class State(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     RECOVERING = "recovering"
+    RESIZING = "resizing"
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -46,13 +52,20 @@ class Controller:
                  *, poll_interval_s: float = 0.2, progress: Any = None,
                  callbacks: Callbacks | None = None, context: RunContext | None = None,
                  resume: tuple[int, str, bytes] | None = None, failure: FailureConfig | None = None,
-                 restore: Callable[[], tuple[int, str, bytes] | None] | None = None):
+                 restore: Callable[[], tuple[int, str, bytes] | None] | None = None,
+                 max_workers: int | None = None, grow_check_s: float = 1.0):
         self.group = group
         self.resume = resume  # (step, checkpoint name, state bytes) to start from
         self.failure = failure or FailureConfig(max_failures=0, step_timeout_s=None)
         self.policy = FailurePolicy(self.failure.max_failures)
         self.restore = restore or (lambda: None)  # the newest committed checkpoint, if any
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # min_workers of an elastic run
+        self.max_workers = max_workers or num_workers
+        self.world = 0  # the current world size
+        self.grow_check_s = grow_check_s  # how often to look for room to grow
+        self._grow_at = 0.0
+        self._paused: dict[int, Any] = {}  # rank -> its "paused" result, during a resize
+        self._pause_asked: float | None = None
         self.hub = hub
         self.events = events
         self.poll_interval_s = poll_interval_s
@@ -71,7 +84,8 @@ class Controller:
     def run(self) -> Any:
         """Train to the end and return rank 0's final state; raise what stopped the run."""
         t0 = time.monotonic()
-        self.events.log("run_started", step=0, num_workers=self.num_workers)
+        self.events.log("run_started", step=0, num_workers=self.num_workers,
+                        **({"max_workers": self.max_workers} if self.max_workers > self.num_workers else {}))
         try:
             self._form(self.resume, t0, check_storage=True)
             self.state = State.RUNNING
@@ -84,6 +98,10 @@ class Controller:
                     self.state = State.FINISHED
                 elif poll.failures or self._hung():
                     self._recover(poll.failures + self._hung_now)
+                elif len(self._paused) == self.world:
+                    self._resize()
+                else:
+                    self._look_for_room()
             self.callbacks("on_epoch_end", self.ctx)
             self.callbacks("on_run_end", self.ctx)
             reason = self.result.get("stop_reason") if isinstance(self.result, dict) else None
@@ -100,7 +118,9 @@ class Controller:
 
     def _form(self, resume: tuple[int, str, bytes] | None, t0: float, check_storage: bool = False) -> None:
         """Place and start the workers, form the group (from `resume` if given), launch."""
-        nodes = self.group.start(self.num_workers)
+        nodes = self.group.start()
+        self.world = len(nodes)
+        self._paused, self._pause_asked = {}, None
         if check_storage:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
@@ -111,13 +131,14 @@ class Controller:
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
         if self.progress is not None:
             self.progress.total_steps = info.get("total_steps")
-        self.events.log("group_formed", step=self.step, world_size=self.num_workers,
+        self.events.log("group_formed", step=self.step, world_size=self.world,
                         nodes=[n.get("ip") for n in nodes], seconds=round(time.monotonic() - t0, 3), **info)
         self.group.launch()
         self._reset_progress()
 
     def _poll(self) -> Any:
         poll = self.group.poll(self.poll_interval_s)
+        self._paused.update(poll.paused)
         self._record(poll.rows)
         for event in poll.events:
             self.events.log(**event)
@@ -144,13 +165,13 @@ class Controller:
         # process group alive), so peers waiting on it would wait for the collective
         # timeout: kill it, and they fail at once.
         absorb(failures)
-        while True:
-            settled = set(failed) | set(finished)
+        while True:  # (a worker that paused for a resize has stopped too: a survivor)
+            settled = set(failed) | set(finished) | set(self._paused)
             for rank, f in failed.items():
-                if f.kind == "error" and rank not in killed and len(settled) < self.num_workers:
+                if f.kind == "error" and rank not in killed and len(settled) < self.world:
                     self.group.kill(rank)
                     killed.add(rank)
-            if len(settled) >= self.num_workers:
+            if len(settled) >= self.world:
                 break
             poll = self._poll()
             finished.update(poll.finished)
@@ -171,10 +192,9 @@ class Controller:
         ahead = max([self._train_step] + [f.step for f in failed.values() if f.step is not None]
                     + [seen[0][0] for seen in self._seen.values() if seen[0]])
         dead = sorted(r for r, f in failed.items() if f.kind in ("died", "hung") or r in killed)
+        old_world = self.world
         try:
-            info = self.group.recover(dead)
-            self.group.launch()
-            self._reset_progress()
+            info = self._reform(dead)
             how = {"source_rank": info["source"], "replaced": info["replaced"], "resynced": info["resynced"]}
         except NoSurvivors:
             self.group.shutdown()
@@ -183,10 +203,50 @@ class Controller:
             info = {"step": resume[0] if resume else 0}
             how = {"from_checkpoint": resume[1] if resume else None}
         self.step = info["step"]
-        self.events.log("recovered", step=info["step"], seconds=round(time.monotonic() - t0, 3),
+        seconds = round(time.monotonic() - t0, 3)
+        self.events.log("recovered", step=info["step"], seconds=seconds,
                         steps_lost=max(0, ahead - info["step"]), failures=self.policy.failures,
                         cause=decision.reason, **how)
+        if self.world != old_world:
+            self._log_resize(old_world, info, seconds, f"failure: {decision.reason}")
         self.state = State.RUNNING
+
+    # ------------------------------------------------------------------ elastic
+
+    def _look_for_room(self) -> None:
+        """About once every grow_check_s, while below max_workers: start workers where the
+        cluster has room, and once some are up, ask the workers to pause for a resize."""
+        now = time.monotonic()
+        if self.world >= self.max_workers or self._pause_asked is not None or now - self._grow_at < self.grow_check_s:
+            return
+        self._grow_at = now
+        if self.group.joinable():
+            self.group.pause()
+            self._pause_asked = now
+
+    def _resize(self) -> None:
+        """Every worker paused at the same step: re-form with the newcomers."""
+        self.state = State.RESIZING
+        paused_at = min(result["time"] for result in self._paused.values())
+        old_world = self.world
+        info = self._reform([])
+        self.step = info["step"]
+        self._log_resize(old_world, info, round(time.time() - paused_at, 3), "room to grow")
+        self.state = State.RUNNING
+
+    def _reform(self, dead: list[int]) -> dict[str, Any]:
+        info = self.group.reform(dead)
+        self.world = info["world_size"]
+        self._paused, self._pause_asked = {}, None
+        self.group.launch()
+        self._reset_progress()
+        return info
+
+    def _log_resize(self, old_world: int, info: dict[str, Any], seconds: float, cause: str) -> None:
+        """`seconds`: the pause of training, from the workers stopping to them going on."""
+        self.events.log("resized", step=info["step"], old_world_size=old_world, new_world_size=self.world,
+                        seconds=seconds, cause=cause, added=info.get("added", 0),
+                        dropped=info.get("dropped", []))
 
     def _hung(self, exclude: set[int] = frozenset()) -> bool:
         """Check, about once a second, for workers that made no progress within

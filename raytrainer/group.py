@@ -1,8 +1,15 @@
-"""The Ray edge: a placement group and one Worker actor per bundle.
+"""The Ray edge: placement groups and one Worker actor per reserved slot.
 
 The controller drives any object with this interface (start, check_storage, setup, launch,
-poll, status, dump_stacks, kill, recover, shutdown); tests give it a fake one without a
-cluster.
+poll, status, dump_stacks, kill, reform, joinable, pause, shutdown); tests give it a fake
+one without a cluster.
+
+Slots: one placement group of scaling.min_workers bundles (with the placement strategy),
+reserved all at once before anything starts, and for an elastic run one single-bundle
+group per worker it may grow by, created after it. Those stay pending until the cluster
+has room, which is also what asks the autoscaler for it; a slot whose group is placed
+and whose worker is up is `joinable`. A slot whose node is lost is rescheduled by Ray
+when room appears, and used again the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import Config
@@ -33,6 +40,7 @@ class Poll:
     result: Any = None  # rank 0's return value once done
     failures: list[Failure] = field(default_factory=list)  # workers whose run() ended otherwise
     finished: dict[int, Any] = field(default_factory=dict)  # rank -> result, newly finished
+    paused: dict[int, Any] = field(default_factory=dict)  # rank -> result, newly paused (a resize)
 
 
 def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
@@ -50,9 +58,11 @@ class RayWorkerGroup:
         self.use_gpu = use_gpu
         self.cluster_can_grow = cluster_can_grow
         self.bundle = worker_bundle(config, use_gpu)
-        self.actors: list[Any] = []
-        self.nodes: list[dict[str, Any]] = []
-        self.pg = None
+        self.actors: list[Any] = []  # by rank
+        self.nodes: list[dict[str, Any]] = []  # by rank
+        self.slots: list[tuple[Any, int]] = []  # by rank: (placement group, bundle index)
+        self.pgs: list[Any] = []  # the core group first
+        self._joining: list[tuple[tuple[Any, int], Any, Any]] = []  # (slot, actor, its node() ref)
         self._runs: list[Any] = []
         self._pending: list[Any] = []
         self._finished: dict[int, Any] = {}
@@ -64,32 +74,52 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, num_workers: int) -> list[dict[str, Any]]:
-        """Reserve resources for all workers at once, start the actors; return their nodes."""
-        self._check_fits(num_workers)
-        self.pg = placement_group([self.bundle] * num_workers, strategy=self.config.scaling.placement)
-        timeout = self.config.scaling.placement_timeout_s
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+    # An elastic run starts with the slots beyond min_workers that the cluster places
+    # this quickly; the others join later, at a resize.
+    EXTRA_AT_START_S = 1.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def start(self) -> list[dict[str, Any]]:
+        """Reserve min_workers slots at once (and ask for the rest), start a worker in each
+        placed slot; return the workers' nodes."""
+        scaling = self.config.scaling
+        self._check_fits(scaling.min_workers)
+        core = placement_group([self.bundle] * scaling.min_workers, strategy=scaling.placement)
+        self.pgs = [core]
+        timeout = scaling.placement_timeout_s
+        ready, _ = ray.wait([core.ready()], timeout=timeout)
         if not ready:
             raise PlacementError(
-                f"could not place {num_workers} workers of {self.bundle} each "
-                f"({self.config.scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
-                f"{_resources_text()}. Lower scaling.num_workers or scaling.resources_per_worker, "
-                "or add nodes"
+                f"could not place {scaling.min_workers} workers of {self.bundle} each "
+                f"({scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
+                f"{_resources_text()}. Lower scaling.num_workers (or min_workers) or "
+                "scaling.resources_per_worker, or add nodes"
             )
-        self.actors = [self._actor(i) for i in range(num_workers)]
+        self.slots = [(core, i) for i in range(scaling.min_workers)]
+        # Only now: single bundles asked for first could take the room the core needs.
+        extras = [placement_group([self.bundle]) for _ in range(scaling.max_workers - scaling.min_workers)]
+        self.pgs += extras
+        if extras:
+            refs = [pg.ready() for pg in extras]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.EXTRA_AT_START_S)
+            self.slots += [(pg, 0) for pg, ref in zip(extras, refs) if ref in ready]
+        self.actors = [self._actor(slot) for slot in self.slots]
         self.nodes = _gather([a.node.remote() for a in self.actors])
         self._start_spare()
         return self.nodes
 
-    def _actor(self, bundle: int, spare: bool = False) -> Any:
+    def _actor(self, slot: tuple[Any, int], spare: bool = False) -> Any:
         extra = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
+        pg, bundle = slot
         return ray.remote(Worker).options(
             num_cpus=0 if spare else self.bundle.get("CPU", 0),
             num_gpus=0 if spare else self.bundle.get("GPU", 0),
             resources=None if spare else extra or None,
             max_concurrency=2,  # run() trains while drain(), status() answer the driver
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         ).remote(self.config.to_dict())
 
     def check_storage(self, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -132,6 +162,8 @@ class RayWorkerGroup:
             elif outcome.get("status") == "interrupted":
                 poll.failures.append(Failure(rank, "interrupted", outcome["cause"], outcome["step"],
                                              self.nodes[rank].get("ip")))
+            elif outcome.get("status") == "paused":
+                poll.paused[rank] = outcome
             else:
                 self._finished[rank] = poll.finished[rank] = outcome
         if len(self._finished) == len(self._runs) and not poll.failures:
@@ -180,38 +212,80 @@ class RayWorkerGroup:
     def kill(self, rank: int) -> None:
         ray.kill(self.actors[rank], no_restart=True)
 
-    def recover(self, dead: list[int]) -> dict[str, Any]:
-        """Replace the `dead` ranks with new actors in their bundles, re-form the process
-        group, and give every worker the state of the survivor furthest ahead (those
-        already there keep theirs). All other workers must have stopped."""
+    def joinable(self) -> int:
+        """Start a worker in every free slot the cluster has placed; return how many
+        started workers are ready to join at the next `reform`."""
+        placed: dict[Any, bool] = {}
+        for slot in self._free_slots():
+            pg = slot[0]
+            if pg not in placed:
+                placed[pg] = placement_group_table(pg).get("state") == "CREATED"
+            if placed[pg]:
+                actor = self._actor(slot)
+                self._joining.append((slot, actor, actor.node.remote()))
+        return len(self._ready_joiners(take=False))
+
+    def pause(self) -> None:
+        """Ask every worker to pause at a step boundary they agree on (run() returns "paused")."""
+        for actor in self.actors:
+            actor.request_pause.remote()
+
+    def reform(self, dead: list[int]) -> dict[str, Any]:
+        """Re-form the process group after a failure or a pause; all workers must have
+        stopped. The `dead` ranks get a new worker in their slot if one is placed in time
+        (scaling.replace_timeout_s while the others are at least min_workers, else
+        scaling.placement_timeout_s), and are dropped otherwise; workers ready to join
+        are added. Ranks keep their order (the remaining ones close up, newcomers come
+        last); every worker gets the state of the survivor furthest ahead, unless it has
+        it already. Returns the step, the new world size, and who was replaced, dropped,
+        added and resynced (ranks before the re-form)."""
+        scaling = self.config.scaling
         world = len(self.actors)
         survivors = [r for r in range(world) if r not in dead]
         if not survivors:
             raise NoSurvivors("no worker survived")
         for rank in dead:
             ray.kill(self.actors[rank], no_restart=True)
-            self.actors[rank] = self._take_spare(rank) or self._actor(rank)  # its bundle is free again
+            self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
         statuses = _gather([self.actors[r].status.remote() for r in survivors])
         position = {r: (s["step"], not s["after_pending"]) for r, s in zip(survivors, statuses)}
         source = max(survivors, key=lambda r: position[r])
         state = self.actors[source].get_state.remote()  # stays in the object store
-        self._wait_placed(dead)
+        placed = self._wait_placed(dead, len(survivors) + len(self._ready_joiners(take=False)))
+        for rank in dead:
+            if rank not in placed:  # its slot stays reserved: it may join later
+                ray.kill(self.actors[rank], no_restart=True)
+        joiners = self._ready_joiners(take=True)
+        keep = [r for r in range(world) if r in placed or r not in dead]
+        self.actors = [self.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
+        self.slots = [self.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
+        self.nodes = [placed.get(r) or self.nodes[r] for r in keep] + [node for _, _, node in joiners]
+        if len(self.actors) < scaling.min_workers:
+            raise PlacementError(
+                f"only {len(self.actors)} workers could be placed within scaling.placement_timeout_s="
+                f"{scaling.placement_timeout_s:g} after losing rank(s) {dead}, fewer than "
+                f"scaling.min_workers={scaling.min_workers}; {_resources_text()}. Add nodes, or "
+                "lower scaling.min_workers (or num_workers)"
+            )
+        new_world = len(self.actors)
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         calls = []
         for rank, actor in enumerate(self.actors):
-            if rank in dead:
-                calls.append(actor.setup.remote(rank, world, addr, port, self.use_gpu, state))
+            old = keep[rank] if rank < len(keep) else None
+            if old is None or old in dead:
+                calls.append(actor.setup.remote(rank, new_world, addr, port, self.use_gpu, state))
             else:
-                behind = position[rank] != position[source]
-                calls.append(actor.regroup.remote(rank, world, addr, port, state if behind else None))
+                behind = position[old] != position[source]
+                calls.append(actor.regroup.remote(rank, new_world, addr, port, state if behind else None))
         _gather(calls)
         self._start_spare()
-        return {"step": position[source][0], "source": source, "replaced": dead,
-                "resynced": [r for r in survivors if position[r] != position[source]]}
+        return {"step": position[source][0], "world_size": new_world, "source": source,
+                "replaced": sorted(placed), "dropped": [r for r in dead if r not in placed],
+                "added": len(joiners), "resynced": [r for r in survivors if position[r] != position[source]]}
 
     def _start_spare(self) -> None:
         if self._spare is None and self.config.failure.warm_spare and not self.use_gpu:
-            self._spare = self._actor(0, spare=True)
+            self._spare = self._actor(self.slots[0], spare=True)
             self._spare_node = (self._spare.node.remote(), self.nodes[0].get("node_id"))
 
     def _take_spare(self, rank: int) -> Any:
@@ -232,26 +306,60 @@ class RayWorkerGroup:
         spare, self._spare = self._spare, None
         return spare
 
-    def _wait_placed(self, ranks: list[int]) -> None:
-        refs = [self.actors[r].node.remote() for r in ranks]
-        timeout = self.config.scaling.placement_timeout_s
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        if len(ready) < len(refs):
-            raise PlacementError(
-                f"could not place a replacement worker within scaling.placement_timeout_s={timeout:g}; "
-                f"{_resources_text()}. Add nodes, or lower scaling.num_workers"
-            )
-        for rank, node in zip(ranks, _gather(refs)):
-            self.nodes[rank] = node
+    def _wait_placed(self, ranks: list[int], others: int) -> dict[int, dict[str, Any]]:
+        """Wait for the new workers of `ranks` to be placed and up; return their nodes by rank.
+        Gives up on the rest after replace_timeout_s if `others` plus those placed make
+        min_workers, and after placement_timeout_s in any case."""
+        scaling = self.config.scaling
+        refs = {self.actors[r].node.remote(): r for r in ranks}
+        placed: dict[int, dict[str, Any]] = {}
+        t0 = time.monotonic()
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.1)
+            for ref in ready:
+                rank = refs.pop(ref)
+                try:
+                    placed[rank] = ray.get(ref)
+                except (RayActorError, RayTaskError):
+                    pass  # lost again (its node went too): treated as not placed
+            waited = time.monotonic() - t0
+            if waited >= scaling.placement_timeout_s or (
+                    waited >= scaling.replace_timeout_s and others + len(placed) >= scaling.min_workers):
+                break
+        return placed
+
+    def _free_slots(self) -> list[tuple[Any, int]]:
+        taken = set(self.slots) | {slot for slot, _, _ in self._joining}
+        return [(pg, i) for pg in self.pgs for i in range(len(pg.bundle_specs)) if (pg, i) not in taken]
+
+    def _ready_joiners(self, take: bool) -> list[tuple[tuple[Any, int], Any, dict[str, Any]]]:
+        """The started workers that are up, as (slot, actor, node); `take` removes them
+        from those joining. Workers that failed to start are dropped."""
+        ready, still = [], []
+        for slot, actor, ref in self._joining:
+            try:
+                node = ray.get(ref, timeout=0)
+            except GetTimeoutError:
+                still.append((slot, actor, ref))
+                continue
+            except (RayActorError, RayTaskError):
+                ray.kill(actor, no_restart=True)
+                continue
+            ready.append((slot, actor, node))
+            if not take:
+                still.append((slot, actor, ref))
+        self._joining = still
+        return ready
 
     def shutdown(self) -> None:
-        for actor in self.actors + ([self._spare] if self._spare is not None else []):
+        joining = [actor for _, actor, _ in self._joining]
+        for actor in self.actors + joining + ([self._spare] if self._spare is not None else []):
             ray.kill(actor, no_restart=True)
         self._spare = None
-        self.actors, self._runs, self._pending, self._finished = [], [], [], {}
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self.actors, self._runs, self._pending, self._finished, self._joining = [], [], [], {}, []
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs, self.slots = [], []
 
     # ------------------------------------------------------------------ helpers
 

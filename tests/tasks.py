@@ -134,3 +134,29 @@ class Recorder:
 
 class DriverRecorder(Recorder):
     on_driver = True
+
+
+class ElasticTask(RegressionTask):
+    """Records, for every micro-batch, the world size, the step's seed (a function of the
+    rank and the step: see loop._seed_all) and the sample indices; sleeps `sleep_s` per
+    micro-batch while the file `slow_while` exists, so a test can hold the run in place
+    while it adds and removes nodes, then let it finish."""
+
+    def __init__(self, slow_while=None, **kwargs):
+        super().__init__(**kwargs)
+        self.slow_while = slow_while
+
+    def train_step(self, model, batch):
+        import os
+        import time
+
+        import torch.distributed as dist
+
+        x, y, index = batch
+        if self.record:
+            with open(f"{self.record}.{os.getpid()}", "a") as f:
+                f.write(f"{dist.get_world_size()} {torch.initial_seed()} {time.time()} "
+                        + " ".join(map(str, index.tolist())) + "\n")
+        if self.slow_while and os.path.exists(self.slow_while):
+            time.sleep(self.sleep_s)
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}

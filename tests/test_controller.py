@@ -17,9 +17,9 @@ class FakeGroup:
         self.storage = storage  # what check_storage returns, or the error it raises
         self.calls = []
 
-    def start(self, n):
-        self.calls.append(("start", n))
-        return [{"ip": "10.0.0.1"}] * n
+    def start(self):
+        self.calls.append(("start", 2))
+        return [{"ip": "10.0.0.1"}] * 2
 
     def check_storage(self, nodes):
         self.calls.append(("check_storage", len(nodes)))
@@ -116,3 +116,49 @@ def test_a_storage_check_that_ran_is_logged(tmp_path):
     log = read(tmp_path / "events.jsonl")
     assert [e["event"] for e in log] == ["run_started", "storage_checked", "group_formed", "finished"]
     assert log[1]["nodes"] == 2
+
+
+class GrowingGroup(FakeGroup):
+    """Room for one more worker appears after the first poll."""
+
+    def __init__(self, polls):
+        super().__init__(polls)
+        self.room = [0, 1]  # joinable() answers, in turn (then the last again)
+
+    def joinable(self):
+        self.calls.append(("joinable",))
+        return self.room.pop(0) if len(self.room) > 1 else self.room[0]
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def reform(self, dead):
+        self.calls.append(("reform", tuple(dead)))
+        return {"step": 2, "world_size": 3, "source": 0, "replaced": [], "dropped": [], "added": 1,
+                "resynced": []}
+
+
+def test_room_to_grow_pauses_the_workers_and_reforms_the_group(tmp_path):
+    paused = {"status": "paused", "step": 2, "time": 0.0}
+    group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(paused={0: paused}), Poll(paused={1: paused}),
+                          Poll(rows(3), done=True, result="weights")])
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 2, hub, events, poll_interval_s=0, max_workers=3, grow_check_s=0)
+    assert controller.run() == "weights"
+    events.close()
+    # Asked once (no second pause while the first is under way), reformed once all paused.
+    calls = [c for c in group.calls if c[0] in ("joinable", "pause", "reform", "launch")]
+    assert calls == [("launch",), ("joinable",), ("joinable",), ("pause",), ("reform", ()), ("launch",)]
+    log = read(tmp_path / "events.jsonl")
+    resize = next(e for e in log if e["event"] == "resized")
+    assert (resize["old_world_size"], resize["new_world_size"], resize["step"], resize["added"]) == (3 - 1, 3, 2, 1)
+    assert resize["cause"] == "room to grow" and resize["seconds"] > 0
+    assert controller.world == 3
+
+
+def test_a_fixed_size_run_never_looks_for_room(tmp_path):
+    group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(rows(3), done=True, result="w")])
+    controller, _, events = make(tmp_path, group)
+    controller.run()
+    assert ("joinable",) not in group.calls

@@ -1,0 +1,195 @@
+"""Elastic runs on a local multi-node Ray (one raylet per 1-CPU node, on this machine):
+the group grows when a node joins, shrinks without a checkpoint when one is lost,
+sees every sample of each epoch exactly once, and ends with the weights of an
+undisturbed run; below min_workers it fails after a bounded wait."""
+
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import raytrainer
+from raytrainer.data import BatchPlan
+from raytrainer.errors import PlacementError
+
+from .conftest import assert_no_leaks
+from .ray_procs import short_temp_dir, wait_gone
+
+NUM_SAMPLES, BATCH, STEPS, SEED = 200, 16, 300, 0  # 16 does not split over 3: uneven shards
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the address of its head there
+    temp_dir = short_temp_dir()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    assert wait_gone(temp_dir) == []
+
+
+def config(tmp_path, name, scaling, **args):
+    return {
+        "task": {"target": "tests.tasks:ElasticTask", "args": {"num_samples": NUM_SAMPLES, **args}},
+        "trainer": {"max_steps": STEPS, "global_batch_size": BATCH, "seed": SEED},
+        "scaling": {"num_workers": 2, "replace_timeout_s": 2, **scaling},
+        "failure": {"step_timeout_s": 60},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+def in_background(cfg):
+    """Train in a thread; returns it and a dict that gets 'result' or 'error'."""
+    out = {}
+
+    def target():
+        try:
+            out["result"] = raytrainer.train(cfg, progress=False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def read_events(run_dir):
+    path = Path(run_dir) / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def resized(run_dir):
+    return [e for e in read_events(run_dir) if e["event"] == "resized"]
+
+
+def rows(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def worlds(run_dir):
+    """The world size of each training row so far."""
+    return [r["world_size"] for r in rows(run_dir) if "loss" in r]
+
+
+def final_attempts(record):
+    """{step: [(rank, indices)]} of the attempt of each step that counted: a step a failure
+    interrupted was redone later, at another world size."""
+    seeds = {hash((SEED, rank, step)) & 0x7FFF_FFFF_FFFF_FFFF: (rank, step)
+             for rank in range(3) for step in range(1, STEPS + 1)}
+    attempts = defaultdict(lambda: defaultdict(list))  # step -> world -> [(time, rank, indices)]
+    for path in Path(record).parent.glob(Path(record).name + ".*"):
+        for line in path.read_text().splitlines():
+            world, seed, when, *indices = line.split()
+            rank, step = seeds[int(seed)]
+            attempts[step][int(world)].append((float(when), rank, [int(i) for i in indices]))
+    final = {}
+    for step, by_world in attempts.items():
+        lines = max(by_world.values(), key=lambda lines: max(t for t, _, _ in lines))
+        final[step] = [(rank, indices) for _, rank, indices in lines]
+    return final
+
+
+def test_grows_when_a_node_joins_and_shrinks_without_a_checkpoint_when_it_goes(cluster, tmp_path):
+    slow = tmp_path / "slow"
+    slow.touch()
+    record = tmp_path / "record" / "samples"
+    record.parent.mkdir()
+    cfg = config(tmp_path, "elastic", {"max_workers": 3}, record=str(record), sleep_s=0.05,
+                 slow_while=str(slow))
+    thread, out = in_background(cfg)
+    run_dir = tmp_path / "elastic"
+    wait_for(lambda: worlds(run_dir), 60, "the first steps")
+
+    node = cluster.add_node(num_cpus=1)  # room for a third worker
+    grow = wait_for(lambda: resized(run_dir), 60, "the group to grow")[0]
+    assert (grow["old_world_size"], grow["new_world_size"], grow["added"]) == (2, 3, 1)
+    wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers")
+    cluster.remove_node(node)  # its worker goes with it, and no replacement can be placed
+    shrink = wait_for(lambda: resized(run_dir)[1:], 60, "the group to shrink")[0]
+    assert (shrink["old_world_size"], shrink["new_world_size"], shrink["dropped"]) == (3, 2, [2])
+    assert shrink["cause"].startswith("failure") and shrink["seconds"] >= 2  # replace_timeout_s
+    slow.unlink()  # let it finish
+    thread.join(120)
+    assert "error" not in out, out.get("error")
+
+    events = read_events(run_dir)
+    names = [e["event"] for e in events]
+    assert names[-1] == "finished" and "resumed" not in names
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert len(recovered) == 1 and "from_checkpoint" not in recovered[0]  # from the survivors' memory
+    sizes = worlds(run_dir)
+    assert [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w] == [2, 3, 2]
+    steps = [r["step"] for r in rows(run_dir) if "loss" in r]
+    # Every step once; the row of a step whose metrics were still being reduced when the
+    # worker was lost is lost with it (at most one step with log_every_n_steps=1).
+    assert len(set(steps)) == len(steps) >= STEPS - 1
+
+    # Every sample of each epoch's kept batches exactly once, whatever the world size.
+    final = final_attempts(record)
+    assert sorted(final) == list(range(1, STEPS + 1))
+    plan = BatchPlan(NUM_SAMPLES, BATCH, BATCH, 1, SEED)
+    by_epoch = defaultdict(list)
+    for step, lines in final.items():
+        epoch, in_epoch = divmod(step - 1, plan.steps_per_epoch)
+        by_epoch[epoch] += [i for _, indices in lines for i in indices]
+        assert sorted(i for _, indices in lines for i in indices) == sorted(
+            torch.cat(plan.micro_batches(epoch, in_epoch, 0)).tolist())
+    for epoch, seen in by_epoch.items():
+        steps = min(plan.steps_per_epoch, STEPS - epoch * plan.steps_per_epoch)
+        assert len(seen) == len(set(seen)) == steps * BATCH
+
+    # The same maths at 2, 3 and 2 workers: the weights of an undisturbed 2-worker run,
+    # up to float rounding (sums over ranks in another order, uneven shards at 3).
+    base = raytrainer.train(config(tmp_path, "base", {}), progress=False)
+    a = torch.load(run_dir / "model.pt", weights_only=True)
+    b = torch.load(base.run_dir / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert_no_leaks()
+
+
+def test_below_min_workers_fails_after_a_bounded_wait(cluster, tmp_path):
+    slow = tmp_path / "slow"
+    slow.touch()
+    cfg = config(tmp_path, "short", {"placement_timeout_s": 3}, sleep_s=0.05, slow_while=str(slow))
+    thread, out = in_background(cfg)
+    try:
+        wait_for(lambda: worlds(tmp_path / "short"), 60, "the first steps")
+        t0 = time.monotonic()
+        # Both 1-CPU nodes hold a worker: one goes, and there is no room for a replacement.
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+        thread.join(60)
+        waited = time.monotonic() - t0
+    finally:
+        slow.unlink()
+        cluster.add_node(num_cpus=1)  # as the module's other tests expect
+    assert isinstance(out.get("error"), PlacementError), out
+    message = str(out["error"])
+    assert "fewer than scaling.min_workers=2" in message and "placement_timeout_s=3" in message
+    assert 3 <= waited < 30
+    assert read_events(tmp_path / "short")[-1]["event"] == "failed"
+    assert_no_leaks()
