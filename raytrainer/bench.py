@@ -19,9 +19,10 @@ The worker-SIGKILL figures come from separate kill runs (scenario "kill", Ray Tr
 and raytrainer only: raw DDP has no recovery), so the start-up and steps/s runs stay
 undisturbed; see _Killer for how the kill is delivered.
 
-Figures that need features not built yet (elastic resizing) are rows marked "not
-measured (needs ...)": to add one, give its Figure an `extract` that reads the value
-out of a contender's result and make the contender scenario produce it.
+The grow figure comes from a run on a local multi-node Ray (ray.cluster_utils: one
+1-CPU raylet per worker, on this machine) with max_workers one above --workers: a node
+is added once training runs, and the pause is the gap between rank 0's last step at
+the old size and its first at the new one (raytrainer only; see notes()).
 """
 
 from __future__ import annotations
@@ -87,14 +88,17 @@ class BenchSpec:
     kill_checkpoint_every: int = 50
     """Both contenders checkpoint every this many steps in the kill runs (Ray Train also
     reports only then: its report() costs about 2 s)."""
-    scenarios: str = "train,kill,stall"
+    grow_steps: int = 2000
+    """Optimizer steps of the grow run; paced at 20 ms a step or more until the group has
+    grown (adding a node takes seconds), then free."""
+    scenarios: str = "train,kill,stall,grow"
     """Which measurements to run: train (start-up, steps/s), kill (worker SIGKILL),
-    stall (checkpoint stall); comma-separated."""
+    stall (checkpoint stall), grow (elastic grow by one worker); comma-separated."""
 
     def __post_init__(self):
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
                     "steps", "ray_train_steps", "repetitions", "checkpoint_mb", "kill_steps", "kill_step",
-                    "kill_checkpoint_every"):
+                    "kill_checkpoint_every", "grow_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
         for key in ("steps", "ray_train_steps"):
@@ -129,7 +133,7 @@ class BenchSpec:
         return self.ray_train_steps if contender == "ray_train" else self.steps
 
 
-SCENARIOS = ("train", "kill", "stall")
+SCENARIOS = ("train", "kill", "stall", "grow")
 SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
              checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10)
 
@@ -186,6 +190,8 @@ class BenchTask(Task):
         self._steps += 1
         if self.spec.get("kill_marker"):
             _arm_kill(self.spec, self._steps, torch.distributed.get_rank())
+        if self.spec.get("pace_while") and os.path.exists(self.spec["pace_while"]):
+            time.sleep(0.02)
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
 
 
@@ -527,12 +533,89 @@ def _ray_train_kill_loop(config: dict[str, Any]) -> None:
                     ray.train.report(metrics)
 
 
+def _grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """raytrainer on a local multi-node Ray of `workers` 1-CPU nodes, max_workers one more:
+    a node is added once training runs; the figure is rank 0's gap between its last step
+    at the old world size and its first at the new one."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from .api import train
+
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes its head's address there
+    temp_dir = tempfile.mkdtemp(prefix="rtb-", dir="/tmp")  # short: Ray's sockets live under it
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+    pace = work / "pace"
+    pace.touch()
+    run_dir = work / "bench-grow"
+    config = {
+        "task": {"target": "raytrainer.bench:BenchTask", "args": {**spec, "pace_while": str(pace)}},
+        "trainer": {"max_steps": spec["grow_steps"], "global_batch_size": spec["global_batch_size"],
+                    "seed": spec["seed"], "log_every_n_steps": 1},
+        "scaling": {"num_workers": spec["workers"], "max_workers": spec["workers"] + 1, "use_gpu": False,
+                    "backend": "gloo"},
+        "run": {"name": run_dir.name, "storage": str(work)},
+    }
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = train(config, progress=False)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in this thread
+            out["error"] = exc
+
+    def read(name: str) -> list[dict[str, Any]]:
+        path = run_dir / name
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def resized() -> list[dict[str, Any]]:
+        return [e for e in read("events.jsonl") if e["event"] == "resized"]
+
+    try:
+        for _ in range(spec["workers"]):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        while thread.is_alive() and not read("metrics.jsonl"):
+            time.sleep(0.1)  # until training runs
+        added = time.time()
+        cluster.add_node(num_cpus=1)
+        while thread.is_alive() and not resized():
+            time.sleep(0.1)
+        pace.unlink()
+        thread.join()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    if "error" in out:
+        raise out["error"]
+    result = out["result"]
+    rows = [r for r in result.history if "loss" in r]
+    events = resized()
+    if not events or events[0]["new_world_size"] != spec["workers"] + 1:
+        raise BenchError(f"the group did not grow; events: {result.events}")
+    old = [r for r in rows if r["world_size"] == spec["workers"]]
+    new = [r for r in rows if r["world_size"] == spec["workers"] + 1]
+    gaps = [b["time"] - a["time"] for a, b in zip(old, old[1:])]
+    return {"step_times": [r["time"] for r in rows], "last_loss": rows[-1]["loss"],
+            "phases": {f"event_{e['event']}": e["time"] for e in result.events},
+            # The gap beyond an ordinary (paced) step: what the resize cost training.
+            "grow_pause_s": new[0]["time"] - old[-1]["time"] - statistics.median(gaps),
+            "paced_step_s": statistics.median(gaps),
+            "node_added_to_resized_s": events[0]["time"] - added, "resized_event": events[0],
+            "run_dir": str(result.run_dir)}
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
     "raw": _run_raw, "ray_train": _run_ray_train, "raytrainer": _run_raytrainer,
 }
 KILL_RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
     "ray_train": _kill_ray_train, "raytrainer": _kill_raytrainer,
 }
+GROW_RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {"raytrainer": _grow_raytrainer}
 
 
 def _contender_main(name: str, spec_json: str, result_path: str) -> int:
@@ -543,7 +626,8 @@ def _contender_main(name: str, spec_json: str, result_path: str) -> int:
     spec = json.loads(spec_json)
     work = Path(result_path).parent / f"{name}-work"
     work.mkdir(parents=True, exist_ok=True)
-    out = (KILL_RUNNERS if spec.get("scenario") == "kill" else RUNNERS)[name](spec, work)
+    runners = {"kill": KILL_RUNNERS, "grow": GROW_RUNNERS}.get(spec.get("scenario"), RUNNERS)
+    out = runners[name](spec, work)
     out["phases"]["contender_main"] = entered
     Path(result_path).write_text(json.dumps(out))
     return 0
@@ -558,9 +642,8 @@ class Figure:
     unit: str
     better: str  # "lower" | "higher"
     contenders: tuple[str, ...]
-    extract: Callable[[dict[str, Any]], float] | None
-    """Value of one contender run; None while the figure cannot be measured yet."""
-    needs: str | None = None
+    extract: Callable[[dict[str, Any]], float | None]
+    """Value of one contender run (None: the run does not measure it)."""
     target: str | None = None
     target_check: Callable[[dict[str, float], dict[str, float]], bool] | None = None
     """(medians, ratios) -> met; not called while a value it reads is missing."""
@@ -599,8 +682,9 @@ FIGURES = (
     Figure("steps_lost", "steps lost to a worker SIGKILL", "steps", "lower",
            ("ray_train", "raytrainer"), lambda run: run.get("steps_lost"), target="<= 1",
            target_check=lambda m, r: m["raytrainer"] <= 1, scenario="kill"),
+    # Ray Train's resize restarts its whole group from the last checkpoint: see figure 3.
     Figure("grow_pause_s", "pause to grow the group by one worker", "s", "lower",
-           ("ray_train", "raytrainer"), None, needs="elastic resizing"),
+           ("raytrainer",), lambda run: run.get("grow_pause_s"), scenario="grow"),
     Figure("checkpoint_stall_sync_s", "training stall per checkpoint, sync", "s", "lower",
            ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s"), scenario="stall"),
     Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
@@ -645,11 +729,6 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) ->
         entry: dict[str, Any] = {"key": fig.key, "title": fig.title, "unit": fig.unit,
                                  "better": fig.better, "contenders": list(fig.contenders),
                                  "target": fig.target}
-        if fig.extract is None:
-            entry.update(status="not measured", reason=f"needs {fig.needs}", values=None,
-                         medians=None, ratios=None, target_met=None)
-            out.append(entry)
-            continue
         if scenarios is not None and fig.scenario not in scenarios:
             entry.update(status="not measured", reason=f"not run: --scenarios {fig.scenario}", values=None,
                          medians=None, ratios=None, target_met=None)
@@ -771,6 +850,15 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
                 if keep_in is None:
                     run.pop("run_dir", None)
                 runs.append(run)
+            if "grow" in scenarios:
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: raytrainer, a node joins, "
+                    f"{spec.workers} -> {spec.workers + 1} workers ...")
+                run = _launch("raytrainer", spec, rep, Path(tmp), scenario="grow")
+                log(f"bench:   training paused {run['grow_pause_s']:.2f} s, "
+                    f"{run['node_added_to_resized_s']:.1f} s after the node was added")
+                if keep_in is None:
+                    run.pop("run_dir", None)
+                runs.append(run)
             if "stall" in scenarios:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
                     f"{spec.checkpoint_mb} MB model ...")
@@ -811,6 +899,14 @@ def notes(spec: BenchSpec) -> list[str]:
             "last checkpoint; raytrainer with its default warm spare). Time: from the kill to the end of "
             "rank 0's first step after the restart; steps lost: the furthest step rank 0 finished before "
             "the failure minus the step training resumed from. Raw DDP has no recovery.")
+    if "grow" in spec.scenario_list:
+        out.append(
+            f"Grow run: {spec.workers} workers on {spec.workers} 1-CPU nodes of a local multi-node Ray "
+            f"(ray.cluster_utils), max_workers {spec.workers + 1}; once training runs a node is added. "
+            "Pause: the time from rank 0's last step at the old world size to its first at the new "
+            "one, less an ordinary step (steps are paced at 20 ms until the resize); starting the new "
+            "worker happens while training goes on. Ray Train "
+            "resizes by restarting its whole group from the last checkpoint, as after a kill (figure 3).")
     return out
 
 def _fmt(value: float | None) -> str:
@@ -859,6 +955,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the step at which one worker is SIGKILLed in the kill runs")
     parser.add_argument("--kill-checkpoint-every", type=int, default=d.kill_checkpoint_every,
                         help="checkpoint (and Ray Train report) cadence in the kill runs")
+    parser.add_argument("--grow-steps", type=int, default=d.grow_steps, help="optimizer steps of the grow run")
     parser.add_argument("--scenarios", default=d.scenarios,
                         help="comma-separated subset of train (start-up, steps/s), kill (worker SIGKILL), "
                              "stall (checkpoint stall)")
@@ -871,7 +968,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     keys = ("workers", "hidden", "layers", "global_batch_size", "samples", "steps", "ray_train_steps",
             "repetitions", "timeout_s", "checkpoint_mb", "kill_steps", "kill_step", "kill_checkpoint_every",
-            "scenarios")
+            "grow_steps", "scenarios")
     values = {k: getattr(args, k) for k in keys}
     if args.smoke:
         default = BenchSpec()

@@ -62,7 +62,8 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     stall = [r for r in report["runs"] if "checkpoint_stall_sync_s" in r]
     kills = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "kill"}
     runs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "train"}
-    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 6
+    grows = [r for r in report["runs"] if r.get("scenario") == "grow"]
+    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 7
     for name, run in runs.items():
         assert len(run["step_times"]) == smoke.steps_for(name), name
         assert run["step_times"] == sorted(run["step_times"])
@@ -94,14 +95,15 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
         fig = figures[key]
         assert fig["status"] == "measured" and set(fig["medians"]) == {"ray_train", "raytrainer"}
         assert isinstance(fig["target_met"], bool)
-    unmeasured = [f for f in report["figures"] if f["status"] != "measured"]
-    assert {f["key"] for f in unmeasured} == {"grow_pause_s"}
-    for fig in unmeasured:
-        assert fig["status"] == "not measured" and fig["reason"].startswith("needs ")
-        assert fig["medians"] is None and fig["values"] is None
-    # The printed table has a row per figure; unmeasured rows say why instead of a number;
-    # raw DDP, which cannot recover, shows "-" in the kill rows.
-    assert printed.count("not measured (needs elastic resizing)") == 1
+    # A node joined a run on a local multi-node Ray; it grew by one worker at a step boundary.
+    (grow,) = grows
+    event = grow["resized_event"]
+    assert (event["old_world_size"], event["new_world_size"], event["added"]) == (smoke.workers, smoke.workers + 1, 1)
+    assert len(grow["step_times"]) == smoke.grow_steps and grow["grow_pause_s"] > 0
+    assert figures["grow_pause_s"]["medians"] == {"raytrainer": grow["grow_pause_s"]}
+    assert all(f["status"] == "measured" for f in report["figures"])
+    # The printed table has a row per figure; raw DDP, which cannot recover, shows "-" in
+    # the kill rows.
     assert "| worker SIGKILL to first step after recovery (s) | - |" in printed
     assert sum(line.startswith("| ") for line in printed.splitlines()) == 1 + len(bench.FIGURES)
 
