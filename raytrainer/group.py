@@ -304,6 +304,9 @@ class RayWorkerGroup:
         if node_id != self.nodes[rank].get("node_id"):
             return None
         spare, self._spare = self._spare, None
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            ray.kill(spare, no_restart=True)  # the node is gone, and the spare with it
+            return None
         return spare
 
     def _wait_placed(self, ranks: list[int], others: int) -> dict[int, dict[str, Any]]:

@@ -2,6 +2,7 @@
 temp dir, which every one of its processes carries on its command line, so we can
 find and stop exactly those processes and never another test's (no `ray stop`)."""
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -57,3 +58,28 @@ def wait_gone(temp_dir: str, timeout_s: float = 40.0) -> list[int]:
             pass
     shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's logs and sockets
     return left
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int):
+    """A multi-node Ray on this machine, like a cloud cluster: a head with no CPUs for
+    workers and `nodes` 1-CPU worker nodes; this process is connected to it. Its own
+    short temp dir: in the default /tmp/ray, any other process's plain ray.init() on
+    this machine would find and join it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes its head's address there
+    temp_dir = short_temp_dir()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        assert wait_gone(temp_dir) == []

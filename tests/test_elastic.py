@@ -4,7 +4,6 @@ sees every sample of each epoch exactly once, and ends with the weights of an
 undisturbed run; below min_workers it fails after a bounded wait."""
 
 import json
-import os
 import threading
 import time
 from collections import defaultdict
@@ -18,28 +17,15 @@ from raytrainer.data import BatchPlan
 from raytrainer.errors import PlacementError
 
 from .conftest import assert_no_leaks
-from .ray_procs import short_temp_dir, wait_gone
+from .ray_procs import local_cluster
 
 NUM_SAMPLES, BATCH, STEPS, SEED = 200, 16, 300, 0  # 16 does not split over 3: uneven shards
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the address of its head there
-    temp_dir = short_temp_dir()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    assert wait_gone(temp_dir) == []
+    with local_cluster(2) as cluster:
+        yield cluster
 
 
 def config(tmp_path, name, scaling, **args):

@@ -8,28 +8,13 @@ import pytest
 import raytrainer
 
 from .conftest import assert_no_leaks
-from .ray_procs import short_temp_dir, wait_gone
+from .ray_procs import local_cluster
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    # Like a cloud cluster: a head with no CPUs for workers, two 1-CPU worker nodes.
-    # Its own temp dir: in the default /tmp/ray, any other process's plain
-    # ray.init() on this machine would find and join this cluster.
-    temp_dir = short_temp_dir()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    assert wait_gone(temp_dir) == []
+    with local_cluster(2) as cluster:
+        yield cluster
 
 
 def test_workers_on_two_nodes_check_the_storage_and_train(two_nodes, tmp_path):
