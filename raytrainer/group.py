@@ -78,10 +78,6 @@ class RayWorkerGroup:
     # this quickly; the others join later, at a resize.
     EXTRA_AT_START_S = 1.0
 
-    @property
-    def world_size(self) -> int:
-        return len(self.actors)
-
     def start(self) -> list[dict[str, Any]]:
         """Reserve min_workers slots at once (and ask for the rest), start a worker in each
         placed slot; return the workers' nodes."""
