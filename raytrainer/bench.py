@@ -260,7 +260,7 @@ def _rank_batch(spec: dict[str, Any], x, y, step: int, rank: int, world: int):
     per_rank = spec["global_batch_size"] // world
     plan = BatchPlan(spec["samples"], spec["global_batch_size"], per_rank, world, spec["seed"])
     epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-    (index,) = plan.micro_batches(epoch, in_epoch, rank)
+    (index,) = plan.micro_batches(epoch, in_epoch * plan.global_batch_size, rank)
     return x[index], y[index]
 
 

@@ -82,7 +82,15 @@ class TrainerConfig:
     max_steps: int | None = None
     """Optimizer steps. With max_epochs too, training stops at whichever comes first."""
     global_batch_size: int = 32
-    """Samples per optimizer step across all workers; fixes the maths whatever the worker count."""
+    """Samples per optimizer step across all workers. With batch_policy fixed_global it
+    fixes the maths whatever the worker count; with per_worker it is the batch at
+    scaling.num_workers workers."""
+    batch_policy: Literal["fixed_global", "per_worker"] = "fixed_global"
+    """What an elastic run keeps when the worker count changes. fixed_global: the global
+    batch and the LR (same maths at any size). per_worker: each worker's batch
+    (global_batch_size / scaling.num_workers), so the global batch is that times the
+    worker count, and every param group's LR is scaled by workers / scaling.num_workers
+    (the linear scaling rule); the data position is a sample index either way."""
     micro_batch_size: int | None = None
     """Samples per forward pass on one worker; None means global_batch_size / world size,
     rounded up (no accumulation). Otherwise each rank accumulates its share of the global
@@ -139,7 +147,7 @@ class ScalingConfig:
     no fewer (default: num_workers)."""
     max_workers: int | None = None
     """Elastic runs: grow up to this many workers as the cluster gains room (default: the
-    larger of num_workers and min_workers). The global batch stays the same at any size."""
+    larger of num_workers and min_workers). What a resize keeps: trainer.batch_policy."""
     use_gpu: Literal["auto"] | bool = "auto"
     """auto: one GPU per worker when the cluster has GPUs, otherwise CPU."""
     resources_per_worker: dict[str, float] | None = None
@@ -294,7 +302,14 @@ class Config:
 
     def __post_init__(self):
         batch, workers = self.trainer.global_batch_size, self.scaling.max_workers
-        if workers > batch:
+        if self.trainer.batch_policy == "per_worker" and batch % self.scaling.num_workers:
+            raise ConfigError(
+                f"trainer.batch_policy=per_worker keeps each worker's batch, "
+                f"trainer.global_batch_size / scaling.num_workers, but {batch} does not split "
+                f"evenly over {self.scaling.num_workers} workers; make the batch a multiple of "
+                "num_workers"
+            )
+        if workers > batch and self.trainer.batch_policy == "fixed_global":
             raise ConfigError(
                 f"up to {workers} workers (scaling.max_workers, default num_workers) cannot share "
                 f"trainer.global_batch_size={batch}: each needs at least one sample; raise the "

@@ -1,15 +1,18 @@
 """Deterministic sharding by global sample index.
 
 Every epoch has one seeded permutation of the training set, the same on every
-rank and at every world size. Optimizer step s of an epoch consumes positions
-[s*G, (s+1)*G) of it (G = global batch); rank r takes its contiguous 1/W of
-those and splits them into micro-batches. So which samples form a step depends
-only on the seed, the epoch and the step, never on the worker count: a resume
-or a resize continues at the same global sample index.
+rank and at every world size. The data position is a sample offset into it: an
+optimizer step starting at offset p consumes positions [p, p+G) (G = global
+batch); rank r takes its contiguous 1/W of those and splits them into
+micro-batches. So which samples form a step depends only on the seed, the epoch
+and the offset, never on the worker count: a resume or a resize continues at the
+same global sample index.
 
-Remainder policy: an epoch has len(dataset) // G steps; the last partial
-global batch is dropped. The permutation changes every epoch, so over epochs
-every sample is used.
+Epoch end: an epoch ends when the next global batch no longer fits in what is
+left of it, and that rest is dropped (len(dataset) // G steps when G is fixed).
+The permutation changes every epoch, so over epochs every sample is used. Under
+the per_worker batch policy G changes with the world size: a resize that makes
+the batch larger than what is left ends the epoch there.
 
 Any world size up to G works, so an elastic run never meets one it cannot use:
 where W does not divide G, the first G % W ranks take one sample more. Every rank
@@ -62,8 +65,18 @@ class BatchPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        steps = self.dataset_size // self.global_batch_size
-        return min(steps, self.overfit_batches) if self.overfit_batches else steps
+        return self.epoch_size // self.global_batch_size
+
+    @property
+    def epoch_size(self) -> int:
+        """Samples an epoch hands out before its end: the dataset, or overfit_batches batches."""
+        if self.overfit_batches:
+            return min(self.dataset_size, self.overfit_batches * self.global_batch_size)
+        return self.dataset_size
+
+    def fits(self, position: int) -> bool:
+        """Whether a global batch starting at sample offset `position` fits in the epoch."""
+        return position + self.global_batch_size <= self.epoch_size
 
     def order(self, epoch: int) -> torch.Tensor:
         return _permutation(self.dataset_size, self.seed, 0 if self.overfit_batches else epoch)
@@ -73,10 +86,11 @@ class BatchPlan:
         base, extra = divmod(self.global_batch_size, self.world_size)
         return rank * base + min(rank, extra), base + (rank < extra)
 
-    def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[torch.Tensor]:
-        """Global sample indices of `rank`'s micro-batches for one optimizer step."""
+    def micro_batches(self, epoch: int, position: int, rank: int) -> list[torch.Tensor]:
+        """Global sample indices of `rank`'s micro-batches for the optimizer step that
+        starts at sample offset `position` of the epoch."""
         offset, count = self.shard(rank)
-        start = step_in_epoch * self.global_batch_size + offset
+        start = position + offset
         return list(self.order(epoch)[start : start + count].tensor_split(self.accumulation))
 
     def loss_divisor(self, micro_batch: int) -> float:

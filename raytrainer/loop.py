@@ -5,7 +5,9 @@ this rank's share of it in `accumulation` micro-batches, gradients synchronised
 by DDP on the last micro-batch only. Each micro-batch loss is weighted by its
 share of the global batch (plan.loss_divisor: the number of micro-batches when
 the split is even) and DDP averages over ranks, so the gradient is the mean over
-the whole global batch whatever the worker count. Everything that
+the whole global batch whatever the worker count (under the per_worker batch
+policy the global batch is a fixed per-worker batch times the world size, and the
+optimizer steps with the LR scaled by world size / num_workers). Everything that
 happens once per optimizer step (unscaling, clipping, the optimizer, the
 scheduler, EMA) happens after the last micro-batch, never inside one.
 
@@ -64,9 +66,13 @@ class Loop:
                  checkpoints: Checkpoints | None = None, checkpoint_cfg: CheckpointConfig | None = None,
                  notify: Callable[[dict[str, Any]], None] | None = None,
                  chaos: list[ChaosFault] | None = None, chaos_claim: Callable[[int, int], bool] | None = None,
-                 state: dict[str, Any] | None = None, max_world_size: int | None = None):
+                 state: dict[str, Any] | None = None, max_world_size: int | None = None,
+                 base_world_size: int | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
+        # scaling.num_workers: the world size global_batch_size and the LR are given for
+        # (what the per_worker batch policy scales from).
+        self.base_world_size = base_world_size or world_size
         self._report = report
         self.report = report if rank == 0 else _drop
         self.notify = notify or (lambda event: None)  # lifecycle events for the driver's log
@@ -104,8 +110,14 @@ class Loop:
             )
         if cfg.early_stopping and self.val_data is None:
             raise ConfigError("trainer.early_stopping needs a validation dataset; the task has none")
-        by_epochs = cfg.max_epochs * self.plan.steps_per_epoch if cfg.max_epochs else None
-        self.total_steps = cfg.fast_dev_run or min(s for s in (by_epochs, cfg.max_steps) if s is not None)
+        # Training stops at max_steps optimizer steps or at the end of epoch max_epochs.
+        self.max_steps = cfg.fast_dev_run or cfg.max_steps
+        self.max_epochs = None if cfg.fast_dev_run else cfg.max_epochs
+        # The LR schedule's length (and the progress bar's): exact with a fixed global batch;
+        # under per_worker, the steps at base_world_size workers (a resize changes how many
+        # steps an epoch takes, not the schedule).
+        by_epochs = self.max_epochs * self._plan(self.base_world_size).steps_per_epoch if self.max_epochs else None
+        self.total_steps = min(s for s in (by_epochs, self.max_steps) if s is not None)
         self.scheduler = task.build_scheduler(self.optimizer, self.total_steps)
         if cfg.lr_schedule is not None:
             if self.scheduler is not None:
@@ -120,6 +132,7 @@ class Loop:
 
         self.step = 0  # optimizer steps completed
         self.epoch = 0
+        self.position = 0  # samples of this epoch's order consumed: the data position
         self.progress = 0  # micro-batches and validation batches done: the driver's hang check
         self.phase = "framework"  # or "user": in the task's code (or the data), not in ours
         self._after_pending = False  # the work after self.step (validation, ...) is not done
@@ -164,15 +177,21 @@ class Loop:
         while True:
             if self._after_pending:
                 self._after_step()
-            if self.step >= self.total_steps or self.stop_reason is not None:
+            if self._done() or self.stop_reason is not None:
                 break
             if self._pause_agreed:
                 self.paused = True
                 break
-            self.epoch, in_epoch = divmod(self.step, self.plan.steps_per_epoch)
-            if in_epoch == 0:
+            if not self.plan.fits(self.position):
+                # Only after a resize under the per_worker policy: the larger global batch
+                # does not fit in what is left of the epoch, so the epoch ends here.
+                self.validate(self.epoch)
+                self.callbacks("on_epoch_end", self)
+                self.epoch, self.position = self.epoch + 1, 0
+                continue
+            if self.position == 0:
                 self.callbacks("on_epoch_start", self)
-            self.train_step(self.epoch, in_epoch)
+            self.train_step()
         self.flush(wait=True)
         if self.paused:  # for a resize: regroup(), then fit() again
             return None
@@ -188,30 +207,37 @@ class Loop:
             return {k: v.detach().cpu().clone() for k, v in final.state_dict().items()}
         return None
 
+    def _done(self) -> bool:
+        return ((self.max_steps is not None and self.step >= self.max_steps)
+                or (self.max_epochs is not None and self.epoch >= self.max_epochs))
+
     def _after_step(self) -> None:
-        """Validation, logging, epoch end and checkpoint after step `self.step`."""
-        epoch, in_epoch = divmod(self.step - 1, self.plan.steps_per_epoch)
-        epoch_end = in_epoch + 1 == self.plan.steps_per_epoch or self.step == self.total_steps
+        """Validation, logging, epoch end and checkpoint after step `self.step`. The epoch
+        moves on last: until then the work is pending, and redone the same way on resume."""
+        epoch_end = not self.plan.fits(self.position)
+        closes = epoch_end or (self.max_steps is not None and self.step >= self.max_steps)
         every = self.cfg.val_every_n_steps
-        if epoch_end or (every and self.step % every == 0):
-            self.validate(epoch)
+        if closes or (every and self.step % every == 0):
+            self.validate(self.epoch)
         elif self.step % self.cfg.log_every_n_steps == 0:
             self.flush()
-        if epoch_end:
+        if closes:
             self.callbacks("on_epoch_end", self)
         every = self.checkpoint_cfg.every_n_steps
         if every and self.step % every == 0 and not self.cfg.fast_dev_run:
             self.save_checkpoint()
+        if epoch_end:
+            self.epoch, self.position = self.epoch + 1, 0
         self._after_pending = False
 
-    def train_step(self, epoch: int, in_epoch: int) -> None:
+    def train_step(self) -> None:
         step = self.step + 1
         _seed_all(self.cfg.seed, self.rank, step)
         self._buffers_at_step_start = [b.detach().clone() for b in self.module.buffers()]
         self._arm_chaos(step)
-        micro_batches = self.plan.micro_batches(epoch, in_epoch, self.rank)
+        micro_batches = self.plan.micro_batches(self.epoch, self.position, self.rank)
         last = len(micro_batches) - 1
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this step uses
+        lr = float(self.optimizer.param_groups[0]["lr"]) * self.lr_scale  # the LR this step uses
         total = None  # the step's metrics, weighted like the loss (this rank's share)
         for i, index in enumerate(micro_batches):
             divisor = self.plan.loss_divisor(len(index))
@@ -233,14 +259,15 @@ class Loop:
             norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip_norm)
             total = torch.cat([total, norm.detach().float().reshape(1).to(total.device)])
         applied = True
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan
-            self.scaler.update()
-            applied = self.scaler.get_scale() >= scale  # the scale only drops on overflow
-            self.skipped_steps += not applied
-        else:
-            self.optimizer.step()
+        with self._scaled_lr():
+            if self.scaler is not None:
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan
+                self.scaler.update()
+                applied = self.scaler.get_scale() >= scale  # the scale only drops on overflow
+                self.skipped_steps += not applied
+            else:
+                self.optimizer.step()
         if applied:
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -248,12 +275,13 @@ class Loop:
                 self.ema.update_parameters(self.module)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.position += self.plan.global_batch_size
         self._after_pending = True
 
         now = time.perf_counter()
-        rate = self.cfg.global_batch_size / max(now - self._last_time, 1e-9)
+        rate = self.plan.global_batch_size / max(now - self._last_time, 1e-9)
         self._last_time = now
-        info = self._row(self.step, epoch, {"lr": lr, "samples_per_s": rate})
+        info = self._row(self.step, self.epoch, {"lr": lr, "samples_per_s": rate})
         if self.tokens_per_sample:
             info["tokens_per_s"] = rate * self.tokens_per_sample
         if self.flops_per_sample:
@@ -332,7 +360,8 @@ class Loop:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
-            "loop": {"step": self.step, "skipped_steps": self.skipped_steps, "best": self._best,
+            "loop": {"step": self.step, "epoch": self.epoch, "position": self.position,
+                     "skipped_steps": self.skipped_steps, "best": self._best,
                      "bad_validations": self._bad_validations, "after_pending": self._after_pending,
                      "stop_reason": self.stop_reason,
                      "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
@@ -346,7 +375,7 @@ class Loop:
             raise ConfigError(
                 f"the checkpoint was trained with trainer.global_batch_size="
                 f"{saved['global_batch_size']}, this run has {self.cfg.global_batch_size}; "
-                "resuming needs the same global batch (the data position depends on it)"
+                "resuming needs the same global batch (the steps, the schedule and the LR were set for it)"
             )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -359,6 +388,11 @@ class Loop:
             if target is not None:
                 target.load_state_dict(state[name])
         self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
+        if "position" in saved:
+            self.epoch, self.position = saved["epoch"], saved["position"]
+        else:  # written before the position was saved: always a fixed global batch then
+            self.epoch, in_epoch = divmod(self.step, self._plan(self.base_world_size).steps_per_epoch)
+            self.position = in_epoch * self.cfg.global_batch_size
         self._best, self._bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
         self._saved_step = self.step
@@ -428,10 +462,36 @@ class Loop:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(self.module, device_ids=device_ids)
 
-    def _plan(self) -> BatchPlan:
-        micro = self.cfg.micro_batch_size or -(-self.cfg.global_batch_size // self.world_size)
-        return BatchPlan(len(self.train_data), self.cfg.global_batch_size, micro, self.world_size,
-                         self.cfg.seed, overfit_batches=self.cfg.overfit_batches)
+    def _plan(self, world_size: int | None = None) -> BatchPlan:
+        world = world_size or self.world_size
+        batch = self.cfg.global_batch_size
+        if self.cfg.batch_policy == "per_worker":
+            batch = batch // self.base_world_size * world
+        micro = self.cfg.micro_batch_size or -(-batch // world)
+        return BatchPlan(len(self.train_data), batch, micro, world, self.cfg.seed,
+                         overfit_batches=self.cfg.overfit_batches)
+
+    @property
+    def lr_scale(self) -> float:
+        """What the per_worker policy multiplies every LR by: the linear scaling rule."""
+        return self.world_size / self.base_world_size if self.cfg.batch_policy == "per_worker" else 1.0
+
+    @contextlib.contextmanager
+    def _scaled_lr(self):
+        """The optimizer steps with every param group's LR times lr_scale; the scheduler
+        and the saved state keep the unscaled LRs."""
+        scale = self.lr_scale
+        if scale == 1.0:  # nothing touched: bit-identical to a fixed run
+            yield
+            return
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * scale
+        try:
+            yield
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, saved):
+                group["lr"] = lr
 
     @contextlib.contextmanager
     def _in_user_code(self):

@@ -38,6 +38,9 @@ def test_yaml_file_and_overrides(tmp_path):
     (["trainer.global_batch_size=2", "scaling.max_workers=3"], ["3 workers", "global_batch_size=2"]),
     (["scaling.min_workers=3", "scaling.max_workers=2"], ["scaling.min_workers=3", "max_workers=2"]),
     (["scaling.max_workers=0"], ["scaling.max_workers=0", ">= 1"]),
+    (["trainer.batch_policy=per_worker", "trainer.global_batch_size=33"],
+     ["batch_policy=per_worker", "33 does not split", "2 workers"]),
+    (["trainer.batch_policy=linear"], ["trainer.batch_policy", "'fixed_global'", "'per_worker'"]),
     (["scaling.replace_timeout_s=0"], ["scaling.replace_timeout_s", "> 0"]),
     (["failure.chaos=[{action: kill, step: 1, rank: 2}]"], ["rank=2", "at most 2 workers"]),
     (["trainer.max_epochs=null"], ["max_epochs or trainer.max_steps"]),
@@ -64,6 +67,9 @@ def test_worker_count_bounds_default_to_num_workers():
     assert (shrinks.min_workers, shrinks.max_workers) == (1, 2)
     # Any split of the batch is valid now: 33 over 2 workers, micro-batches of 5.
     assert load_config(BASE, ["trainer.global_batch_size=33", "trainer.micro_batch_size=5"])
+    # per_worker keeps each worker's batch of 1: the global batch grows with the workers.
+    assert load_config(BASE, ["trainer.global_batch_size=2", "scaling.max_workers=3",
+                              "trainer.batch_policy=per_worker"])
 
 
 def test_missing_file_and_missing_section(tmp_path):

@@ -7,7 +7,8 @@ from raytrainer.errors import ConfigError
 
 def step_samples(plan, epoch, step):
     """All samples of one optimizer step, over every rank and micro-batch, in order."""
-    return torch.cat([torch.cat(plan.micro_batches(epoch, step, r)) for r in range(plan.world_size)])
+    position = step * plan.global_batch_size
+    return torch.cat([torch.cat(plan.micro_batches(epoch, position, r)) for r in range(plan.world_size)])
 
 
 @pytest.mark.parametrize("world, micro", [(1, 24), (1, 4), (2, 12), (2, 3), (3, 8), (4, 2)])
@@ -32,7 +33,7 @@ def test_an_epoch_sees_each_kept_sample_once_and_epochs_differ():
 
 def test_every_rank_gets_the_same_number_of_micro_batches():
     plan = BatchPlan(1000, 48, 4, 3, seed=0)
-    counts = {len(plan.micro_batches(0, 5, r)) for r in range(3)}
+    counts = {len(plan.micro_batches(0, 5 * 48, r)) for r in range(3)}
     assert counts == {4}
 
 
@@ -45,7 +46,7 @@ def test_uneven_splits_keep_the_samples_and_weigh_them_alike(world, micro):
     plan = BatchPlan(100, 25, micro, world, seed=3)
     for step in range(plan.steps_per_epoch):
         assert torch.equal(step_samples(plan, 1, step), step_samples(ref, 1, step))
-        per_rank = [plan.micro_batches(1, step, r) for r in range(world)]
+        per_rank = [plan.micro_batches(1, step * 25, r) for r in range(world)]
         assert len({len(m) for m in per_rank}) == 1 and all(len(b) > 0 for m in per_rank for b in m)
         # DDP averages over ranks the sum of each micro-batch's mean loss / divisor: that
         # must weigh every sample by 1 / 25.

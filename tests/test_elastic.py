@@ -38,6 +38,19 @@ def config(tmp_path, name, scaling, **args):
     }
 
 
+def growable(tmp_path, name, **trainer):
+    """A run that may grow to 3 workers, records its samples (under the returned path),
+    and goes slowly while the returned file exists."""
+    slow = tmp_path / "slow"
+    slow.touch()
+    record = tmp_path / "record" / "samples"
+    record.parent.mkdir()
+    cfg = config(tmp_path, name, {"max_workers": 3}, record=str(record), sleep_s=0.05,
+                 slow_while=str(slow))
+    cfg["trainer"].update(trainer)
+    return cfg, slow, record
+
+
 def in_background(cfg):
     """Train in a thread; returns it and a dict that gets 'result' or 'error'."""
     out = {}
@@ -99,12 +112,7 @@ def final_attempts(record):
 
 
 def test_grows_when_a_node_joins_and_shrinks_without_a_checkpoint_when_it_goes(cluster, tmp_path):
-    slow = tmp_path / "slow"
-    slow.touch()
-    record = tmp_path / "record" / "samples"
-    record.parent.mkdir()
-    cfg = config(tmp_path, "elastic", {"max_workers": 3}, record=str(record), sleep_s=0.05,
-                 slow_while=str(slow))
+    cfg, slow, record = growable(tmp_path, "elastic")
     thread, out = in_background(cfg)
     run_dir = tmp_path / "elastic"
     wait_for(lambda: worlds(run_dir), 60, "the first steps")
@@ -142,7 +150,7 @@ def test_grows_when_a_node_joins_and_shrinks_without_a_checkpoint_when_it_goes(c
         epoch, in_epoch = divmod(step - 1, plan.steps_per_epoch)
         by_epoch[epoch] += [i for _, indices in lines for i in indices]
         assert sorted(i for _, indices in lines for i in indices) == sorted(
-            torch.cat(plan.micro_batches(epoch, in_epoch, 0)).tolist())
+            torch.cat(plan.micro_batches(epoch, in_epoch * BATCH, 0)).tolist())
     for epoch, seen in by_epoch.items():
         steps = min(plan.steps_per_epoch, STEPS - epoch * plan.steps_per_epoch)
         assert len(seen) == len(set(seen)) == steps * BATCH
@@ -155,6 +163,41 @@ def test_grows_when_a_node_joins_and_shrinks_without_a_checkpoint_when_it_goes(c
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert_no_leaks()
+
+
+def test_per_worker_policy_grows_the_batch_and_the_lr_and_keeps_the_data_position(cluster, tmp_path):
+    """batch_policy per_worker: each worker keeps its 8 samples, so a step holds 16 samples
+    at 2 workers and 24 at 3, at 1.5 x the LR; the data position stays a sample offset, and
+    an epoch ends where the next step's batch no longer fits in it."""
+    cfg, slow, record = growable(tmp_path, "per_worker", batch_policy="per_worker")
+    thread, out = in_background(cfg)
+    run_dir = tmp_path / "per_worker"
+    try:
+        wait_for(lambda: worlds(run_dir), 60, "the first steps")
+        node = cluster.add_node(num_cpus=1)
+        wait_for(lambda: worlds(run_dir).count(3) >= 10, 60, "steps at 3 workers")
+    finally:
+        slow.unlink()
+    thread.join(120)
+    cluster.remove_node(node)  # as the module's other tests expect
+    assert "error" not in out, out.get("error")
+    assert [(e["old_world_size"], e["new_world_size"]) for e in resized(run_dir)] == [(2, 3)]
+    train = [r for r in rows(run_dir) if "loss" in r]
+    assert {(r["world_size"], r["lr"]) for r in train} == {(2, 0.05), (3, 0.05 * 1.5)}
+
+    plan = BatchPlan(NUM_SAMPLES, BATCH, BATCH, 1, SEED)
+    epoch, position, epochs = 0, 0, {}
+    for step, lines in sorted(final_attempts(record).items()):
+        batch = 8 * len({rank for rank, _ in lines})
+        if position + batch > NUM_SAMPLES:  # the rest of the epoch is dropped
+            epoch, position = epoch + 1, 0
+        seen = sorted(i for _, indices in lines for i in indices)
+        assert seen == sorted(plan.order(epoch)[position:position + batch].tolist()), step
+        epochs[step] = epoch
+        position += batch
+    assert {r["step"]: r["epoch"] for r in train} == {s: epochs[s] for s in (r["step"] for r in train)}
+    assert max(epochs.values()) >= 2
     assert_no_leaks()
 
 

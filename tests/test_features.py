@@ -45,10 +45,10 @@ def test_fp16_skips_and_counts_an_overflow_step():
     loop = make_loop(FeatureTask(inf_at_step=5), rows, precision="fp16", max_steps=5)
     initial = params(loop.module)
     for step in range(4):  # the scaler may skip a first step or two while it calibrates
-        loop.train_step(0, step)
+        loop.train_step()
     assert any(not torch.equal(a, b) for a, b in zip(initial, params(loop.module)))
     before, scale, skipped = params(loop.module), loop.scaler.get_scale(), loop.skipped_steps
-    loop.train_step(0, 4)  # inf loss -> inf gradients
+    loop.train_step()  # inf loss -> inf gradients
     for a, b in zip(before, params(loop.module)):
         assert torch.equal(a, b)
     assert loop.skipped_steps == skipped + 1 and loop.scaler.get_scale() < scale
@@ -62,7 +62,7 @@ def test_clipping_caps_the_update_and_logs_the_pre_clip_norm(micro):
         rows = []
         loop = make_loop(FeatureTask(lr=1.0), rows, max_steps=1, grad_clip_norm=clip, micro_batch_size=micro)
         before = params(loop.module)
-        loop.train_step(0, 0)
+        loop.train_step()
         loop.flush(wait=True)
         delta = torch.cat([(a - b).flatten() for a, b in zip(before, params(loop.module))])
         return delta.norm().item(), rows
@@ -78,7 +78,7 @@ def test_ema_equals_a_reference_computed_by_hand():
     loop = make_loop(ema_decay=0.9, max_steps=5)
     reference = None
     for step in range(5):
-        loop.train_step(0, step)
+        loop.train_step()
         current = params(loop.module)
         reference = current if reference is None else [0.9 * e + 0.1 * p for e, p in zip(reference, current)]
     for e, r in zip(params(loop.ema.module), reference):
@@ -166,7 +166,7 @@ def test_overfit_batches_repeats_the_same_batches_every_epoch():
     plan = BatchPlan(256, 32, 32, 1, seed=0, overfit_batches=2)
     assert plan.steps_per_epoch == 2
     for step in range(2):
-        assert torch.equal(plan.micro_batches(0, step, 0)[0], plan.micro_batches(3, step, 0)[0])
+        assert torch.equal(plan.micro_batches(0, step * 32, 0)[0], plan.micro_batches(3, step * 32, 0)[0])
     loop = make_loop(max_steps=None, max_epochs=3, overfit_batches=2)
     assert loop.total_steps == 6
     rows = []

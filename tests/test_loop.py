@@ -65,3 +65,48 @@ def test_val_every_n_steps():
 def test_train_step_without_loss_is_a_clear_error():
     with pytest.raises(TaskError, match="must return a dict with 'loss'"):
         make_loop(RegressionTask(no_loss=True)).fit()
+
+
+def per_worker_loop(rows=None, base_world_size=2, state=None, **trainer):
+    """A rank alone (world size 1) under the per_worker batch policy, its batch and LR
+    given for `base_world_size` workers (scaling.num_workers)."""
+    cfg = TrainerConfig(global_batch_size=32, batch_policy="per_worker", **trainer)
+    sink = rows if rows is not None else []
+    return Loop(RegressionTask(num_samples=100), cfg, rank=0, world_size=1, device=torch.device("cpu"),
+                report=sink.extend, base_world_size=base_world_size, state=state)
+
+
+def test_per_worker_policy_keeps_the_worker_batch_and_scales_the_lr():
+    """One worker of a run tuned for 2: a global batch of 16 (its own share of 32) at half
+    the LR, for whole epochs of 100 // 16 = 6 steps, whatever the schedule's estimate."""
+    rows = []
+    loop = per_worker_loop(rows, max_epochs=2)
+    assert (loop.plan.global_batch_size, loop.lr_scale) == (16, 0.5)
+    assert loop.total_steps == 2 * (100 // 32)  # the LR schedule's length, at 2 workers
+    weights = loop.fit()
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13)) and loop.step == 12
+    assert {r["lr"] for r in train} == {0.025}
+    assert loop.optimizer.param_groups[0]["lr"] == 0.05  # the optimizer keeps its own LR
+
+    # The same maths as a fixed batch of 16 at the LR scaled by hand.
+    fixed = Loop(RegressionTask(num_samples=100, lr=0.025), TrainerConfig(global_batch_size=16, max_epochs=2),
+                 rank=0, world_size=1, device=torch.device("cpu"), report=[].extend)
+    expected = fixed.fit()
+    assert all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
+def test_a_batch_that_outgrows_the_rest_of_the_epoch_ends_it():
+    """The data position is a sample offset: state taken at 5 x 16 = 80 of 100 samples,
+    resumed where the global batch is 32, leaves 20 < 32, so epoch 0 ends (validated)
+    before the next step, which starts epoch 1 at offset 0."""
+    small = per_worker_loop(max_steps=5)
+    small.fit()
+    assert (small.epoch, small.position) == (0, 80)
+    rows = []
+    big = per_worker_loop(rows, base_world_size=1, state=small.state_dict(), max_steps=6)
+    assert big.plan.global_batch_size == 32 and (big.epoch, big.position) == (0, 80)
+    big.fit()
+    assert [(r["step"], r["epoch"], "val_loss" in r) for r in rows] == [
+        (5, 0, True), (6, 1, False), (6, 1, True)]
+    assert (big.epoch, big.position) == (1, 32)

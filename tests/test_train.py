@@ -141,7 +141,7 @@ def global_batch_mean(step_in_epoch, num_samples=256, batch=32, seed=0):
     from .tasks import FeatureTask
 
     x = FeatureTask(num_samples=num_samples).train_dataset().tensors[0]
-    index = torch.cat(BatchPlan(num_samples, batch, batch, 1, seed).micro_batches(0, step_in_epoch, 0))
+    index = torch.cat(BatchPlan(num_samples, batch, batch, 1, seed).micro_batches(0, step_in_epoch * batch, 0))
     return x[index].mean(0)
 
 
