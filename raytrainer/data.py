@@ -48,8 +48,9 @@ class BatchPlan:
         if self.dataset_size < self.global_batch_size:
             raise ConfigError(
                 f"the training dataset has {self.dataset_size} samples, fewer than one global "
-                f"batch (trainer.global_batch_size={self.global_batch_size}); lower the batch "
-                "size or use more data"
+                f"batch of {self.global_batch_size} (trainer.global_batch_size; under "
+                "batch_policy per_worker, the per-worker batch times scaling.max_workers); "
+                "lower the batch size or use more data"
             )
         if self.world_size > self.global_batch_size:
             raise ConfigError(

@@ -82,12 +82,13 @@ class Loop:
         self._writer: AsyncWriter | None = None
         self._write_error: BaseException | None = None
 
+        most = max(world_size, max_world_size or 0)  # what an elastic run may grow to
         # The same seed on every rank and at every world size: identical initial weights.
         torch.manual_seed(cfg.seed)
         module = task.build_model()
         # Decided once for the whole run: every rank must run the same collectives, and
         # an elastic run may grow past one worker later.
-        if cfg.sync_batchnorm and max(world_size, max_world_size or 0) > 1:
+        if cfg.sync_batchnorm and most > 1:
             module = convert_sync_batchnorm(module, device)
         self.module = module.to(device)
         self.optimizer = task.build_optimizer(self.module)
@@ -103,10 +104,11 @@ class Loop:
         self.train_data = task.train_dataset()
         self.val_data = task.val_dataset()
         self.plan = self._plan()
-        if self.val_data is not None and len(self.val_data) < world_size:
+        self._plan(most)  # the largest global batch (per_worker) must fit too: fail now, not at a grow
+        if self.val_data is not None and len(self.val_data) < most:
             raise ConfigError(
                 f"the validation dataset has {len(self.val_data)} samples, fewer than the "
-                f"{world_size} workers; give it at least one sample per worker"
+                f"{most} workers (scaling.max_workers); give it at least one sample per worker"
             )
         if cfg.early_stopping and self.val_data is None:
             raise ConfigError("trainer.early_stopping needs a validation dataset; the task has none")

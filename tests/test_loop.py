@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from raytrainer.config import TrainerConfig
-from raytrainer.errors import TaskError
+from raytrainer.errors import ConfigError, TaskError
 from raytrainer.loop import Loop
 
 from .tasks import RegressionTask
@@ -67,13 +67,14 @@ def test_train_step_without_loss_is_a_clear_error():
         make_loop(RegressionTask(no_loss=True)).fit()
 
 
-def per_worker_loop(rows=None, base_world_size=2, state=None, **trainer):
+def per_worker_loop(rows=None, base_world_size=2, state=None, max_world_size=None, **trainer):
     """A rank alone (world size 1) under the per_worker batch policy, its batch and LR
     given for `base_world_size` workers (scaling.num_workers)."""
     cfg = TrainerConfig(global_batch_size=32, batch_policy="per_worker", **trainer)
     sink = rows if rows is not None else []
     return Loop(RegressionTask(num_samples=100), cfg, rank=0, world_size=1, device=torch.device("cpu"),
-                report=sink.extend, base_world_size=base_world_size, state=state)
+                report=sink.extend, base_world_size=base_world_size, state=state,
+                max_world_size=max_world_size)
 
 
 def test_per_worker_policy_keeps_the_worker_batch_and_scales_the_lr():
@@ -110,3 +111,11 @@ def test_a_batch_that_outgrows_the_rest_of_the_epoch_ends_it():
     assert [(r["step"], r["epoch"], "val_loss" in r) for r in rows] == [
         (5, 0, True), (6, 1, False), (6, 1, True)]
     assert (big.epoch, big.position) == (1, 32)
+
+
+def test_a_batch_too_big_for_the_data_at_max_workers_fails_at_the_start():
+    """per_worker: 16 samples a worker, 7 workers at most: 112 > 100 samples. That is a
+    config error before training, not a failure when the seventh worker arrives."""
+    assert per_worker_loop(max_steps=1, max_world_size=6).plan.global_batch_size == 16
+    with pytest.raises(ConfigError, match="100 samples, fewer than one global batch of 112"):
+        per_worker_loop(max_steps=1, max_world_size=7)
