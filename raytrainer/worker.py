@@ -34,7 +34,8 @@ class Worker:
         # Import torch now, on every actor in parallel, not on the first call. (The
         # first optimizer also imports torch._dynamo, 1.2 s of a 1.9 s grow pause on 2
         # cores; importing it here instead measured slower steady-state steps, 118 vs
-        # 151 steps/s, so it is left where torch puts it.)
+        # 151 steps/s, and again 148 vs 215 (medians of 5, side by side), for a reason
+        # not found, so it is left where torch puts it.)
         from . import loop  # noqa: F401
 
         self.config = load_config(config)
