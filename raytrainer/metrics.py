@@ -44,15 +44,17 @@ class TensorBoardSink:
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self._writer = None
+        self._summary = None  # tensorboardX's Summary protobuf class, once it is imported
 
     def write(self, row: dict[str, Any]) -> None:
-        # Opened on the first row: tensorboardX imports torch, which would otherwise
-        # delay the workers' start by the second or two that import takes.
-        from tensorboardX import FileWriter  # brought by ray[train]
-        from tensorboardX.proto.summary_pb2 import Summary
-
         if self._writer is None:
-            self._writer = FileWriter(str(self.logdir), flush_secs=10)
+            # Opened on the first row: tensorboardX imports torch, which would otherwise
+            # delay the workers' start by the second or two that import takes.
+            from tensorboardX import FileWriter  # brought by ray[train]
+            from tensorboardX.proto.summary_pb2 import Summary
+
+            self._writer, self._summary = FileWriter(str(self.logdir), flush_secs=10), Summary
+        Summary = self._summary
         # One event per row, not one per scalar (SummaryWriter.add_scalar): each event is a
         # trip through tensorboardX's queue, and the driver shares the CPU with the
         # workers. Measured: 0.15 against 0.7 ms of driver CPU per 7-metric row.
