@@ -12,10 +12,12 @@ if ROOT not in sys.path:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray per test module (it takes seconds to start)."""
+    """One local Ray per test module (it takes seconds to start). address="local": always a
+    new one, never a Ray that another process on this machine started (a plain ray.init()
+    would join a live `ray start` or cluster_utils head it finds in /tmp/ray)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
