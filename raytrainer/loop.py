@@ -462,7 +462,10 @@ class Loop:
         if self.world_size == 1:
             return self.module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(self.module, device_ids=device_ids)
+        ddp = DistributedDataParallel(self.module, device_ids=device_ids)
+        if hasattr(ddp.reducer, "_rebuild_buckets"):
+            ddp.reducer = _FixedBuckets(ddp.reducer)
+        return ddp
 
     def _plan(self, world_size: int | None = None) -> BatchPlan:
         world = world_size or self.world_size
@@ -592,6 +595,27 @@ class Loop:
             else torch.tensor(float(out[k]), device=self.device)
             for k in keys
         ])
+
+
+class _FixedBuckets:
+    """DDP's reducer, except that it never rebuilds its gradient buckets.
+
+    DDP re-buckets once, after its first iteration, by the order gradients became ready.
+    The bucket layout decides how a collective splits the gradients over ranks, and so
+    the order in which each element is summed: with 3 or more ranks a fresh DDP (every
+    re-form) would sum its first step differently from the undisturbed run, and the
+    weights would drift by a few ulps (measured: Gloo, 3 ranks). The layout DDP starts
+    with (parameters in reverse order, which backward mostly follows) is kept instead.
+    Any other use of the reducer passes through."""
+
+    def __init__(self, reducer: Any):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
 
 
 class ChaosError(RuntimeError):
