@@ -167,7 +167,7 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str
     try:
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
-        tmp.write_bytes(result["model"])  # torch.save bytes: the driver never imports torch
+        tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch
         os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
     finally:
         hub.close()

@@ -221,9 +221,10 @@ class ChaosFault:
     """A fault to inject, for tests and for checking a setup. It acts on one rank at the
     end of an optimizer step (after the weights are updated), once per run."""
 
-    action: Literal["kill", "hang", "delay", "raise"]
-    """kill: SIGKILL the worker process; hang: stop making progress (until the driver's
-    step_timeout_s kills it); delay: sleep `seconds`; raise: raise in the worker."""
+    action: Literal["kill", "freeze", "hang", "delay", "raise"]
+    """kill: SIGKILL the worker process; freeze: SIGSTOP it (alive, holding its sockets,
+    answering nothing: a paused VM); hang: stop making progress in the task's code (until
+    the driver's step_timeout_s kills it); delay: sleep `seconds`; raise: raise in the worker."""
     step: int | None = None
     """The step it acts after; or null with `probability`."""
     probability: float | None = None
@@ -232,8 +233,14 @@ class ChaosFault:
     """The rank it acts on; null: a rank drawn at random (seeded)."""
     seconds: float = 1.0
     """How long a delay lasts."""
+    at: Literal["end", "random"] = "end"
+    """end: after the step's update; random (kill, freeze): from another thread, at a
+    random moment of the step (up to the previous step's duration after it begins:
+    in the forward, the backward, a collective or the optimizer)."""
 
     def __post_init__(self):
+        if self.at == "random" and self.action not in ("kill", "freeze"):
+            raise ConfigError(f"failure.chaos ({self.action}): at=random is for kill and freeze only")
         if (self.step is None) == (self.probability is None):
             raise ConfigError(f"failure.chaos ({self.action}): give exactly one of step or probability")
         if self.step is not None and self.step < 1:
@@ -254,6 +261,11 @@ class FailureConfig:
     """A worker that makes no progress (no micro-batch, no validation batch) for this long
     is hung: its Python stacks are dumped into the run directory and it is replaced.
     null: never time out."""
+    collective_timeout_s: float = 600.0
+    """How long a collective (and the forming of a group) may wait for a peer before it
+    fails. Detection of a lost or hung peer does not wait for it (the driver sees a death
+    at once and a hang after step_timeout_s); it bounds what nothing else catches. Keep it
+    above the longest wait ranks have for rank 0 alone (a synchronous checkpoint write)."""
     warm_spare: bool = True
     """Keep one idle worker process ready (torch imported, no resources held) to replace a
     lost CPU worker without a cold start (measured: recovery 1.4 s instead of 2.5-4.7 s)."""
@@ -265,6 +277,8 @@ class FailureConfig:
             raise ConfigError(f"failure.max_failures={self.max_failures} must be >= 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ConfigError(f"failure.step_timeout_s={self.step_timeout_s} must be > 0 (or null)")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"failure.collective_timeout_s={self.collective_timeout_s} must be > 0")
 
 
 @dataclass(kw_only=True)

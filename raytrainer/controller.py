@@ -33,9 +33,10 @@ from typing import Callable
 
 from .callbacks import Callbacks, RunContext
 from .config import FailureConfig
+from .contract import Failure, Node, Poll, ReformFailed, Reformed, WorkerGroup
 from .errors import NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
-from .policy import Failure, FailurePolicy, root_causes
+from .policy import FailurePolicy, blame, root_causes
 
 
 class State(enum.Enum):
@@ -48,7 +49,7 @@ class State(enum.Enum):
 
 
 class Controller:
-    def __init__(self, group: Any, num_workers: int, hub: MetricsHub, events: EventLog,
+    def __init__(self, group: WorkerGroup, num_workers: int, hub: MetricsHub, events: EventLog,
                  *, poll_interval_s: float = 0.2, progress: Any = None,
                  callbacks: Callbacks | None = None, context: RunContext | None = None,
                  resume: tuple[int, str, bytes] | None = None, failure: FailureConfig | None = None,
@@ -62,9 +63,10 @@ class Controller:
         self.num_workers = num_workers  # min_workers of an elastic run
         self.max_workers = max_workers or num_workers
         self.world = 0  # the current world size
+        self._nodes: list[Node] = []  # where each rank runs
         self.grow_check_s = grow_check_s  # how often to look for room to grow
         self._grow_at = 0.0
-        self._paused: dict[int, Any] = {}  # rank -> its "paused" result, during a resize
+        self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
         self.hub = hub
         self.events = events
@@ -87,7 +89,10 @@ class Controller:
         self.events.log("run_started", step=0, num_workers=self.num_workers,
                         **({"max_workers": self.max_workers} if self.max_workers > self.num_workers else {}))
         try:
-            self._form(self.resume, t0, check_storage=True)
+            try:
+                self._form(self.resume, t0, check_storage=True)
+            except ReformFailed as exc:  # a worker lost while the group first formed
+                self._recover(exc.failures, lost=exc.dead)
             self.state = State.RUNNING
             self.callbacks("on_run_start", self.ctx)
             self.callbacks("on_epoch_start", self.ctx)
@@ -104,9 +109,8 @@ class Controller:
                     self._look_for_room()
             self.callbacks("on_epoch_end", self.ctx)
             self.callbacks("on_run_end", self.ctx)
-            reason = self.result.get("stop_reason") if isinstance(self.result, dict) else None
             self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
-                            reason=reason)
+                            reason=self.result.stop_reason)
             return self.result
         except BaseException as exc:
             self.state = State.FAILED
@@ -118,25 +122,27 @@ class Controller:
 
     def _form(self, resume: tuple[int, str, bytes] | None, t0: float, check_storage: bool = False) -> None:
         """Place and start the workers, form the group (from `resume` if given), launch."""
-        nodes = self.group.start()
+        nodes = self._nodes = self.group.start()
         self.world = len(nodes)
         self._paused, self._pause_asked = {}, None
         if check_storage:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
                 self.events.log("storage_checked", step=self.step, **checked)
-        info = self.group.setup(resume[2] if resume else None)
+        formed = self.group.setup(resume[2] if resume else None)
+        self.step = self.ctx.step = self._train_step = resume[0] if resume else 0
         if resume:
-            self.step = self.ctx.step = self._train_step = resume[0]
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
         if self.progress is not None:
-            self.progress.total_steps = info.get("total_steps")
+            self.progress.total_steps = formed.total_steps
         self.events.log("group_formed", step=self.step, world_size=self.world,
-                        nodes=[n.get("ip") for n in nodes], seconds=round(time.monotonic() - t0, 3), **info)
+                        nodes=[n.ip for n in formed.nodes], pids=[n.pid for n in formed.nodes],
+                        seconds=round(time.monotonic() - t0, 3), total_steps=formed.total_steps,
+                        steps_per_epoch=formed.steps_per_epoch)
         self.group.launch()
         self._reset_progress()
 
-    def _poll(self) -> Any:
+    def _poll(self) -> Poll:
         poll = self.group.poll(self.poll_interval_s)
         self._paused.update(poll.paused)
         self._record(poll.rows)
@@ -148,10 +154,62 @@ class Controller:
 
     # ------------------------------------------------------------------ failures
 
-    def _recover(self, failures: list[Failure]) -> None:
-        """Wait until every worker has stopped, ask the policy, and carry out its decision."""
+    def _recover(self, failures: list[Failure], lost: list[int] | None = None) -> None:
+        """Recover from `failures`, and from every failure while recovering: each attempt
+        counts its causes through the policy, and starts over from what survives (the
+        survivors' state in memory, else the newest checkpoint, else step 0). `lost`: the
+        group already stopped (a failed first forming) and these ranks are gone."""
         self.state = State.RECOVERING
         t0 = time.monotonic()
+        if lost is None:
+            failed, finished, killed = self._settle(failures)
+            if 0 in finished:  # training was over; rank 0 holds the result: nothing to redo
+                self._log_failures(list(failed.values()))
+                self.result, self.state = finished[0], State.FINISHED
+                return
+            failures = list(failed.values())
+            lost = sorted(r for r, f in failed.items() if f.kind in ("died", "hung") or r in killed)
+        ahead = max([self._train_step] + [f.step for f in failures if f.step is not None]
+                    + [seen[0][0] for seen in self._seen.values() if seen[0]])
+        old_world, attempts = self.world, 0
+        while True:
+            attempts += 1
+            self._log_failures(failures)
+            decision = self.policy.decide(failures)
+            if not decision.recover:
+                self._gave_up = decision.reason
+                raise decision.error or RaytrainerError(decision.reason)
+            try:
+                reformed = self._reform(lost)
+                step, how = reformed.step, {"source_rank": reformed.source, "state_from": reformed.state_from,
+                                            "replaced": reformed.replaced, "resynced": reformed.resynced,
+                                            "pids": [n.pid for n in reformed.nodes]}
+                break
+            except ReformFailed as exc:  # lost again while re-forming: one more failure
+                failures, lost = exc.failures, exc.dead
+            except NoSurvivors:
+                self.group.shutdown()
+                resume = self.restore()
+                try:
+                    self._form(resume, time.monotonic())
+                except ReformFailed as exc:
+                    failures, lost = exc.failures, exc.dead
+                    continue
+                step, how = self.step, {"from_checkpoint": resume[1] if resume else None}
+                reformed = None
+                break
+        self.step = step
+        seconds = round(time.monotonic() - t0, 3)
+        self.events.log("recovered", step=step, seconds=seconds, steps_lost=max(0, ahead - step),
+                        failures=self.policy.failures, attempts=attempts, cause=decision.reason, **how)
+        if self.world != old_world and reformed is not None:
+            self._log_resize(old_world, reformed, seconds, f"failure: {decision.reason}")
+        self.state = State.RUNNING
+
+    def _settle(self, failures: list[Failure]) -> tuple[dict[int, Failure], dict[int, Any], set[int]]:
+        """Wait until every worker has stopped: failed, finished, or interrupted (a worker
+        that paused for a resize has stopped too: a survivor). Returns the failures, the
+        finished workers' ends, and the ranks killed to get there."""
         failed: dict[int, Failure] = {}
         finished: dict[int, Any] = {}
         killed: set[int] = set()
@@ -160,56 +218,31 @@ class Controller:
             for f in new:  # a worker killed as hung then shows as died: it hung
                 failed.setdefault(f.rank, f)
 
-        # The others stop when their next collective fails (or finish, if it was the
-        # last). A worker that raised still holds its connections (its DDP keeps the
-        # process group alive), so peers waiting on it would wait for the collective
-        # timeout: kill it, and they fail at once.
         absorb(failures)
-        while True:  # (a worker that paused for a resize has stopped too: a survivor)
+        # NCCL survivors wait in their collective until its timeout whatever happened to
+        # the peer: abort their communicators so they stop now (a no-op on Gloo).
+        self.group.abort([r for r in range(self.world) if r not in failed])
+        while True:
             settled = set(failed) | set(finished) | set(self._paused)
+            # A worker that raised still holds its connections (its DDP keeps the process
+            # group alive), so peers waiting on it would wait for the collective timeout:
+            # kill it, and they fail at once.
             for rank, f in failed.items():
                 if f.kind == "error" and rank not in killed and len(settled) < self.world:
                     self.group.kill(rank)
                     killed.add(rank)
             if len(settled) >= self.world:
-                break
+                return failed, finished, killed
             poll = self._poll()
             finished.update(poll.finished)
             absorb(poll.failures)
             if self._hung(exclude=settled):
                 absorb(self._hung_now)
-        causes = root_causes(list(failed.values()))
-        for f in causes:
+
+    def _log_failures(self, failures: list[Failure]) -> None:
+        for f in root_causes(failures):
             self.events.log("worker_failed", step=f.step if f.step is not None else self.step, rank=f.rank,
                             node=f.node, kind=f.kind, cause=f.cause)
-        if 0 in finished:  # training was over; rank 0 holds the result: nothing to redo
-            self.result, self.state = finished[0], State.FINISHED
-            return
-        decision = self.policy.decide(list(failed.values()))
-        if not decision.recover:
-            self._gave_up = decision.reason
-            raise decision.error or RaytrainerError(decision.reason)
-        ahead = max([self._train_step] + [f.step for f in failed.values() if f.step is not None]
-                    + [seen[0][0] for seen in self._seen.values() if seen[0]])
-        dead = sorted(r for r, f in failed.items() if f.kind in ("died", "hung") or r in killed)
-        old_world = self.world
-        try:
-            info = self._reform(dead)
-            how = {"source_rank": info["source"], "replaced": info["replaced"], "resynced": info["resynced"]}
-        except NoSurvivors:
-            self.group.shutdown()
-            resume = self.restore()
-            self._form(resume, time.monotonic())
-            info = {"step": resume[0] if resume else 0}
-            how = {"from_checkpoint": resume[1] if resume else None}
-        self.step = info["step"]
-        seconds = round(time.monotonic() - t0, 3)
-        self.events.log("recovered", step=info["step"], seconds=seconds,
-                        steps_lost=max(0, ahead - info["step"]), failures=self.policy.failures,
-                        cause=decision.reason, **how)
-        if self.world != old_world:
-            self._log_resize(old_world, info, seconds, f"failure: {decision.reason}")
-        self.state = State.RUNNING
 
     # ------------------------------------------------------------------ elastic
 
@@ -227,32 +260,35 @@ class Controller:
     def _resize(self) -> None:
         """Every worker paused at the same step: re-form with the newcomers."""
         self.state = State.RESIZING
-        paused_at = min(result["time"] for result in self._paused.values())
+        paused_at = min(end.time for end in self._paused.values())
         old_world = self.world
-        info = self._reform([])
-        self.step = info["step"]
-        self._log_resize(old_world, info, round(time.time() - paused_at, 3), "room to grow")
+        try:
+            reformed = self._reform([])
+        except ReformFailed as exc:  # a worker lost while the group grew: a failure like any other
+            self._recover(exc.failures, lost=exc.dead)
+            return
+        self.step = reformed.step
+        self._log_resize(old_world, reformed, round(time.time() - paused_at, 3), "room to grow")
         self.state = State.RUNNING
 
-    def _reform(self, dead: list[int]) -> dict[str, Any]:
-        info = self.group.reform(dead)
-        self.world = info["world_size"]
+    def _reform(self, dead: list[int]) -> Reformed:
+        reformed = self.group.reform(dead)
+        self.world, self._nodes = reformed.world_size, reformed.nodes
         self._paused, self._pause_asked = {}, None
         self.group.launch()
         self._reset_progress()
-        return info
+        return reformed
 
-    def _log_resize(self, old_world: int, info: dict[str, Any], seconds: float, cause: str) -> None:
+    def _log_resize(self, old_world: int, reformed: Reformed, seconds: float, cause: str) -> None:
         """`seconds`: the pause of training, from the workers stopping to them going on."""
-        self.events.log("resized", step=info["step"], old_world_size=old_world, new_world_size=self.world,
-                        seconds=seconds, cause=cause, added=info.get("added", 0),
-                        dropped=info.get("dropped", []))
+        self.events.log("resized", step=reformed.step, old_world_size=old_world, new_world_size=self.world,
+                        seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped)
 
     def _hung(self, exclude: set[int] = frozenset()) -> bool:
         """Check, about once a second, for workers that made no progress within
-        failure.step_timeout_s; dump their stacks, kill them, and keep them in
-        `_hung_now`. The culprits are the stalled workers in their own code (or that do
-        not answer); those stalled in our collectives are waiting for them."""
+        failure.step_timeout_s; kill those to blame (policy.blame: not the ones waiting for
+        them in a collective), with their stacks and collectives dumped where they answer,
+        and keep them in `_hung_now`."""
         self._hung_now: list[Failure] = []
         timeout = self.failure.step_timeout_s
         now = time.monotonic()
@@ -261,25 +297,38 @@ class Controller:
         self._status_at = now
         statuses = self.group.status()
         for rank, status in enumerate(statuses):
-            key = (status["step"], status["progress"], status["phase"]) if status else None
+            key = (status.step, status.progress, status.phase) if status else None
             if status is not None and (rank not in self._seen or self._seen[rank][0] != key):
                 self._seen[rank] = (key, now)
-        stalled = [r for r in range(len(statuses))
-                   if r not in exclude and now - self._seen.get(r, (None, self._reset_at))[1] > timeout]
+        stalled = {r: statuses[r] for r in range(len(statuses))
+                   if r not in exclude and now - self._seen.get(r, (None, self._reset_at))[1] > timeout}
         if not stalled:
             return False
-        culprits = [r for r in stalled if statuses[r] is None or statuses[r]["phase"] != "framework"] or stalled
+        culprits = blame(stalled, recovering=self.state is State.RECOVERING)
+        if not culprits:
+            return False
+        for rank in range(len(statuses)):
+            if rank not in culprits:  # it may wait for a culprit: a fresh timeout to see it gone
+                self._seen[rank] = (self._seen.get(rank, (None, now))[0], now)
         for rank in culprits:
-            status = statuses[rank] or {}
-            where = self._dump_stacks(rank, status.get("step", self.step))
+            status = stalled[rank]
+            if status is None:
+                where = ("it did not answer at all (frozen: stopped, paused, or holding the GIL), "
+                         "so no stacks could be read")
+                last = self._seen.get(rank, (None, 0.0))[0]
+                step = last[0] if last else self.step
+            else:
+                where = self._dump(rank, status.step)
+                step = status.step
             self.group.kill(rank)
             self._hung_now.append(Failure(
-                rank, "hung", f"no progress for {timeout:g} s (failure.step_timeout_s) in "
-                f"{status.get('phase', 'unanswering')} code after step {status.get('step', '?')}; {where}",
-                status.get("step"), None))
+                rank, "hung", f"no progress for {timeout:g} s (failure.step_timeout_s) "
+                f"{'in ' + status.phase + ' code ' if status else ''}after step {step}; {where}", step,
+                self._nodes[rank].ip if rank < len(self._nodes) else None))
         return True
 
-    def _dump_stacks(self, rank: int, step: int) -> str:
+    def _dump(self, rank: int, step: int) -> str:
+        """Write a hung worker's stacks and flight record of collectives into the run directory."""
         stacks = self.group.dump_stacks(rank)
         if stacks is None:
             return "its stacks could not be read (the process did not answer)"
@@ -287,7 +336,10 @@ class Controller:
             return "stacks:\n" + stacks
         path = Path(self.ctx.run_dir) / f"stacks-rank{rank}-step{step}.txt"
         path.write_text(stacks)
-        return f"stacks in {path}"
+        record = self.group.flight_record(rank)
+        if record:
+            (Path(self.ctx.run_dir) / f"collectives-rank{rank}-step{step}.json").write_bytes(record)
+        return f"stacks in {path}" + (" (its collectives beside them)" if record else "")
 
     def _reset_progress(self) -> None:
         self._seen = {}

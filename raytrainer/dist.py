@@ -6,6 +6,7 @@ Plain torch.distributed; Ray is not imported here.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch
@@ -33,10 +34,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world_size: int, addr: str, port: int, backend: str,
-               timeout_s: float = 1800.0) -> None:
+def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
+    """Join a process group whose store rank 0 hosts at addr:port (a new port, so a fresh
+    store, for every group formed). `timeout_s` bounds every collective."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_group(failed=True)
+    # The flight recorder keeps the last collectives of each rank (Gloo and NCCL), dumped
+    # beside the stacks of a hung worker. NCCL: on an error or a timeout the watchdog
+    # aborts the communicators and the collective raises, but it never kills the process
+    # (2: CleanUpOnly; torch's default 3 would take the survivor's state with it).
+    recorder = "TORCH_FR_BUFFER_SIZE" if _dump_flight_record() else "TORCH_NCCL_TRACE_BUFFER_SIZE"  # torch < 2.8
+    os.environ.setdefault(recorder, str(FLIGHT_RECORDER_ENTRIES))
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{addr}:{port}",
@@ -46,9 +55,42 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str,
     )
 
 
-def destroy_group() -> None:
-    if dist.is_initialized():
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def leave_group(failed: bool = False) -> None:
+    """Leave the process group. After a failure an NCCL group is aborted, never destroyed:
+    destroying a communicator whose peer is gone can hang."""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()
+
+
+def abort_group() -> bool:
+    """Abort an NCCL group from another thread, so a collective blocked on a lost peer
+    raises now. Gloo: False, nothing done (its abort() does not unblock a pending
+    collective; the peer's death already fails it)."""
+    if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
+
+
+def flight_record() -> bytes | None:
+    """The flight recorder's JSON dump of this process's recent collectives, if any."""
+    dump = _dump_flight_record() or getattr(torch._C._distributed_c10d, "_dump_nccl_trace_json", None)
+    try:
+        return dump() if dump is not None else None
+    except RuntimeError:
+        return None
+
+
+def _dump_flight_record():
+    """torch >= 2.8 records Gloo and NCCL collectives alike; older torch, NCCL's only."""
+    return getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
 
 
 def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):

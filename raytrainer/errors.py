@@ -19,6 +19,11 @@ class PlacementError(RaytrainerError):
     """The cluster cannot place the workers the config asks for."""
 
 
+class PeerFailure(RaytrainerError):
+    """A worker's collective (or the forming of its group) failed because a peer failed:
+    this worker is fine, the peer is the cause."""
+
+
 class NoSurvivors(RaytrainerError):
     """Every worker was lost at once: only a checkpoint can continue the run."""
 

@@ -14,33 +14,26 @@ when room appears, and used again the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
 import time
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from .config import Config
-from .errors import NoSurvivors, PlacementError, RaytrainerError, WorkerError
-from .policy import Failure
+from .contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Status
+from .errors import NoSurvivors, PeerFailure, PlacementError, RaytrainerError, WorkerError
+from .policy import choose_source, keep_waiting_for_placement
 from .storage_check import check_shared_storage
 from .worker import Worker
 
+from pathlib import Path
 
-@dataclass
-class Poll:
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)  # from workers, e.g. checkpoints
-    done: bool = False
-    result: Any = None  # rank 0's return value once done
-    failures: list[Failure] = field(default_factory=list)  # workers whose run() ended otherwise
-    finished: dict[int, Any] = field(default_factory=dict)  # rank -> result, newly finished
-    paused: dict[int, Any] = field(default_factory=dict)  # rank -> result, newly paused (a resize)
+# Calls the driver makes while run() trains or is blocked: a concurrency group of their
+# own, so that a worker stuck in a collective still answers them.
+CONTROL = "control"
 
 
 def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
@@ -59,26 +52,36 @@ class RayWorkerGroup:
         self.cluster_can_grow = cluster_can_grow
         self.bundle = worker_bundle(config, use_gpu)
         self.actors: list[Any] = []  # by rank
-        self.nodes: list[dict[str, Any]] = []  # by rank
+        self.nodes: list[Node] = []  # by rank
         self.slots: list[tuple[Any, int]] = []  # by rank: (placement group, bundle index)
         self.pgs: list[Any] = []  # the core group first
         self._joining: list[tuple[tuple[Any, int], Any, Any]] = []  # (slot, actor, its node() ref)
         self._runs: list[Any] = []
         self._pending: list[Any] = []
-        self._finished: dict[int, Any] = {}
+        self._finished: dict[int, RunEnd] = {}
         # A warm spare: an idle actor with torch imported, on a bundle's node but holding no
         # resources, takes a lost worker's place in a fraction of a cold start (CPU workers
         # only: a GPU worker needs its GPU assigned by Ray at creation).
         self._spare: Any = None
         self._spare_node: Any = None
+        # During a recovery: the state every worker is to continue from, once taken from a
+        # survivor, with that survivor's status. Kept in the object store (the driver owns
+        # the reference) until the group re-forms, so a second failure meanwhile, even of
+        # every survivor, does not lose it.
+        self._secured: tuple[Status, Any] | None = None
+        self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
 
     # ------------------------------------------------------------------ lifecycle
 
     # An elastic run starts with the slots beyond min_workers that the cluster places
     # this quickly; the others join later, at a resize.
     EXTRA_AT_START_S = 1.0
+    # After one worker's call failed while the group formed, how long the others get to
+    # return (they fail at once where the lost peer had connected) before those still
+    # blocked waiting for it are killed.
+    FORM_GRACE_S = 2.0
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> list[Node]:
         """Reserve min_workers slots at once (and ask for the rest), start a worker in each
         placed slot; return the workers' nodes."""
         scaling = self.config.scaling
@@ -110,15 +113,14 @@ class RayWorkerGroup:
     def _actor(self, slot: tuple[Any, int], spare: bool = False) -> Any:
         extra = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
         pg, bundle = slot
-        return ray.remote(Worker).options(
+        return _remote_worker().options(
             num_cpus=0 if spare else self.bundle.get("CPU", 0),
             num_gpus=0 if spare else self.bundle.get("GPU", 0),
             resources=None if spare else extra or None,
-            max_concurrency=2,  # run() trains while drain(), status() answer the driver
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         ).remote(self.config.to_dict())
 
-    def check_storage(self, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None:
         """Fail now if workers on other nodes cannot see the run directory."""
         if self.run_dir is None:
             return None
@@ -127,20 +129,21 @@ class RayWorkerGroup:
             lambda path: _gather([a.sees_file.remote(path) for a in self.actors]),
         )
 
-    def setup(self, resume: bytes | None = None) -> dict[str, int]:
+    def setup(self, resume: bytes | None = None) -> Formed:
         """Form the process group and build the task on every worker, loading `resume`
-        (checkpoint bytes, put in the object store once for all workers)."""
-        addr, port = ray.get(self.actors[0].rendezvous.remote())
-        world = len(self.actors)
+        (checkpoint bytes, put in the object store once for all workers). Raises
+        ReformFailed if a worker is lost meanwhile."""
+        self._secured = None
         state = ray.put(resume) if resume is not None else None
-        infos = _gather([a.setup.remote(r, world, addr, port, self.use_gpu, state)
-                         for r, a in enumerate(self.actors)])
-        return infos[0]
+        results = self._form_group({rank: (None, state) for rank in range(len(self.actors))})
+        total_steps, steps_per_epoch = results[0]
+        return Formed(list(self.nodes), total_steps, steps_per_epoch)
 
     def launch(self) -> None:
         self._runs = [a.run.remote() for a in self.actors]
         self._pending = list(self._runs)
         self._finished = {}
+        self._drain_ref = None
 
     def poll(self, timeout: float) -> Poll:
         """Wait up to `timeout` for any worker's run() to end; collect new metric rows, and
@@ -149,33 +152,35 @@ class RayWorkerGroup:
         if ready and self._pending:  # whatever else has ended too, without waiting
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
-        poll = Poll(*self._drain())
+        poll = Poll(*self._drain(timeout=1.0))
         for ref in ready:
             rank = self._runs.index(ref)
             outcome = self._outcome(rank, ref)
             if isinstance(outcome, Failure):
                 poll.failures.append(outcome)
-            elif outcome.get("status") == "interrupted":
-                poll.failures.append(Failure(rank, "interrupted", outcome["cause"], outcome["step"],
-                                             self.nodes[rank].get("ip")))
-            elif outcome.get("status") == "paused":
+            elif outcome.status == "interrupted":
+                poll.failures.append(Failure(rank, "interrupted", outcome.cause, outcome.step, self.nodes[rank].ip))
+            elif outcome.status == "paused":
                 poll.paused[rank] = outcome
             else:
                 self._finished[rank] = poll.finished[rank] = outcome
         if len(self._finished) == len(self._runs) and not poll.failures:
             poll.done = True
             poll.result = self._finished[0]
-            rows, events = self._drain()
+            rows, events = self._drain(timeout=30.0)
             poll.rows += rows
             poll.events += events
         return poll
 
-    def _outcome(self, rank: int, ref: Any) -> dict[str, Any] | Failure:
-        ip = self.nodes[rank].get("ip")
+    def _outcome(self, rank: int, ref: Any) -> Any:
+        """What a call on `rank` returned, or the Failure it ended in."""
+        ip = self.nodes[rank].ip if rank < len(self.nodes) else None
         try:
             return ray.get(ref)
         except RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            if isinstance(cause, PeerFailure):
+                return Failure(rank, "interrupted", str(cause), None, ip)
             step = cause.step - 1 if isinstance(cause, WorkerError) and cause.step else None
             message = cause.message if isinstance(cause, WorkerError) else f"{type(cause).__name__}: {cause}"
             if not isinstance(cause, RaytrainerError):
@@ -185,11 +190,15 @@ class RayWorkerGroup:
             return Failure(rank, "died", f"the worker process died ({type(exc).__name__}): "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}", None, ip)
 
-    # ------------------------------------------------------------------ recovery
+    # ------------------------------------------------------------------ control
 
-    def status(self, timeout: float = 1.0) -> list[dict[str, Any] | None]:
+    def status(self, timeout: float = 1.0) -> list[Status | None]:
         """Each worker's progress (None: no answer within `timeout`, or dead)."""
-        refs = [a.status.remote() for a in self.actors]
+        return self._ask(range(len(self.actors)), "status", timeout)
+
+    def _ask(self, ranks: Any, method: str, timeout: float) -> list[Any]:
+        """A control call on each of `ranks`; None for those that did not answer in time."""
+        refs = [_control(self.actors[r], method).remote() for r in ranks]
         ray.wait(refs, num_returns=len(refs), timeout=timeout)
         out = []
         for ref in refs:
@@ -200,12 +209,32 @@ class RayWorkerGroup:
         return out
 
     def dump_stacks(self, rank: int, timeout: float = 5.0) -> str | None:
-        try:
-            return ray.get(self.actors[rank].dump_stacks.remote(), timeout=timeout)
-        except (GetTimeoutError, RayActorError, RayTaskError):
-            return None
+        return self._ask([rank], "dump_stacks", timeout)[0]
+
+    def flight_record(self, rank: int, timeout: float = 5.0) -> bytes | None:
+        return self._ask([rank], "flight_record", timeout)[0]
+
+    def abort(self, ranks: list[int]) -> None:
+        """Abort the NCCL communicators of `ranks` (a no-op on Gloo workers), so that they
+        stop waiting for a lost peer now, not at failure.collective_timeout_s."""
+        self._ask(ranks, "abort", timeout=5.0)
 
     def kill(self, rank: int) -> None:
+        """Kill a worker now. ray.kill alone waits for a frozen (SIGSTOPed) process to exit
+        gracefully for RAY_kill_worker_timeout_milliseconds (5 s) before Ray kills it, and
+        its peers wait with it: a SIGKILL from another of our processes on its node (a
+        peer's control channel answers at once; else a task there, which may first have
+        to start a process) ends it in milliseconds."""
+        node = self.nodes[rank] if rank < len(self.nodes) else None
+        if node is not None and node.pid:
+            helpers = [a for r, a in enumerate(self.actors) if r != rank and r < len(self.nodes)
+                       and self.nodes[r].node_id == node.node_id]
+            if helpers:
+                _control(helpers[0], "kill_process").remote(node.pid)
+            elif node.node_id:
+                ray.remote(_sigkill).options(
+                    num_cpus=0, max_retries=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(node.pid)
         ray.kill(self.actors[rank], no_restart=True)
 
     def joinable(self) -> int:
@@ -224,30 +253,36 @@ class RayWorkerGroup:
     def pause(self) -> None:
         """Ask every worker to pause at a step boundary they agree on (run() returns "paused")."""
         for actor in self.actors:
-            actor.request_pause.remote()
+            _control(actor, "request_pause").remote()
 
-    def reform(self, dead: list[int]) -> dict[str, Any]:
-        """Re-form the process group after a failure or a pause; all workers must have
+    # ------------------------------------------------------------------ recovery
+
+    def reform(self, dead: list[int]) -> Reformed:
+        """Re-form the process group after a failure or a pause; every worker must have
         stopped. The `dead` ranks get a new worker in their slot if one is placed in time
-        (scaling.replace_timeout_s while the others are at least min_workers, else
-        scaling.placement_timeout_s), and are dropped otherwise; workers ready to join
-        are added. Ranks keep their order (the remaining ones close up, newcomers come
-        last); every worker gets the state of the survivor furthest ahead, unless it has
-        it already. Returns the step, the new world size, and who was replaced, dropped,
-        added and resynced (ranks before the re-form)."""
+        (policy.keep_waiting_for_placement), and are dropped otherwise; workers ready to
+        join are added. Ranks keep their order (the remaining ones close up, newcomers come
+        last). Every worker gets the state of the survivor furthest ahead, unless it has it
+        already; with no survivor, the state secured by an earlier attempt of this
+        recovery. Raises NoSurvivors when there is neither, and ReformFailed when a worker
+        is lost meanwhile (call again with its `dead`)."""
         scaling = self.config.scaling
         world = len(self.actors)
-        survivors = [r for r in range(world) if r not in dead]
-        if not survivors:
-            raise NoSurvivors("no worker survived")
         for rank in dead:
-            ray.kill(self.actors[rank], no_restart=True)
+            self.kill(rank)
             self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
-        statuses = _gather([self.actors[r].status.remote() for r in survivors])
-        position = {r: (s["step"], not s["after_pending"]) for r, s in zip(survivors, statuses)}
-        source = max(survivors, key=lambda r: position[r])
-        state = self.actors[source].get_state.remote()  # stays in the object store
-        placed = self._wait_placed(dead, len(survivors) + len(self._ready_joiners(take=False)))
+        self._start_spare()  # now, not after: a second failure finds it warm
+        others = [r for r in range(world) if r not in dead]
+        answers = dict(zip(others, self._ask(others, "status", timeout=10.0)))
+        silent = [r for r, s in answers.items() if s is None]
+        if silent:  # dead, or frozen: replaced at the next attempt
+            for rank in silent:
+                self.kill(rank)
+            raise ReformFailed([Failure(r, "hung", "did not answer while the group re-formed", None,
+                                        self.nodes[r].ip) for r in silent], silent)
+        holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
+        source, state_ref, at = self._take_state(holders)
+        placed = self._wait_placed(dead, len(others) + len(self._ready_joiners(take=False)))
         for rank in dead:
             if rank not in placed:  # its slot stays reserved: it may join later
                 ray.kill(self.actors[rank], no_restart=True)
@@ -263,26 +298,89 @@ class RayWorkerGroup:
                 f"scaling.min_workers={scaling.min_workers}; {_resources_text()}. Add nodes, or "
                 "lower scaling.min_workers (or num_workers)"
             )
-        new_world = len(self.actors)
-        addr, port = ray.get(self.actors[0].rendezvous.remote())
-        calls = []
-        for rank, actor in enumerate(self.actors):
-            old = keep[rank] if rank < len(keep) else None
-            if old is None or old in dead:
-                calls.append(actor.setup.remote(rank, new_world, addr, port, self.use_gpu, state))
+        # Holders regroup (taking the state only if behind); the others build the task from it.
+        calls = {}
+        for rank, old in enumerate(keep + [None] * len(joiners)):
+            if old in holders:
+                calls[rank] = (holders[old].position != at.position, state_ref)
             else:
-                behind = position[old] != position[source]
-                calls.append(actor.regroup.remote(rank, new_world, addr, port, state if behind else None))
-        _gather(calls)
-        self._start_spare()
-        return {"step": position[source][0], "world_size": new_world, "source": source,
-                "replaced": sorted(placed), "dropped": [r for r in dead if r not in placed],
-                "added": len(joiners), "resynced": [r for r in survivors if position[r] != position[source]]}
+                calls[rank] = (None, state_ref)
+        self._form_group(calls)
+        self._secured = None
+        return Reformed(step=at.step, nodes=list(self.nodes), source=source,
+                        state_from="memory" if source is not None else "object_store",
+                        replaced=sorted(placed), dropped=[r for r in dead if r not in placed],
+                        added=len(joiners),
+                        resynced=[r for r in holders if holders[r].position != at.position])
+
+    def _take_state(self, holders: dict[int, Status]) -> tuple[int | None, Any, Status]:
+        """The state to continue from: the furthest survivor's, put in the object store
+        (and kept there until the group has re-formed), else one secured earlier."""
+        if not holders:
+            if self._secured is None:
+                raise NoSurvivors("no worker survived")
+            at, ref = self._secured
+            return None, ref, at
+        source = choose_source(holders)
+        at = holders[source]
+        if self._secured is not None and self._secured[0].position == at.position:
+            return source, self._secured[1], at  # the same state: no second copy
+        ref = self.actors[source].get_state.remote()
+        timeout = self.config.failure.collective_timeout_s
+        outcome = self._outcome(source, ref) if ray.wait([ref], timeout=timeout)[0] else Failure(
+            source, "hung", f"get_state did not return within failure.collective_timeout_s={timeout:g}",
+            at.step, self.nodes[source].ip)
+        if isinstance(outcome, Failure):
+            self.kill(source)
+            raise ReformFailed([outcome], [source])
+        self._secured = (at, ref)
+        return source, ref, at
+
+    def _form_group(self, calls: dict[int, tuple[bool | None, Any]]) -> dict[int, Any]:
+        """Form the group over all actors: per rank (None: build the task with `setup`;
+        True/False: `regroup`, taking the state or not) and the state's reference. Returns
+        each rank's result. If a call fails, the others get FORM_GRACE_S to return, those
+        still blocked (waiting for the lost peer) are killed, and ReformFailed says who."""
+        world = len(self.actors)
+        refs: dict[Any, int] = {}
+        where = self._outcome(0, self.actors[0].rendezvous.remote())
+        if isinstance(where, Failure):
+            self.kill(0)
+            raise ReformFailed([where], [0])
+        addr, port = where
+        for rank, (take, state) in calls.items():
+            actor = self.actors[rank]
+            if take is None:
+                refs[actor.setup.remote(rank, world, addr, port, self.use_gpu, state)] = rank
+            else:
+                refs[actor.regroup.remote(rank, world, addr, port, state if take else None)] = rank
+        results: dict[int, Any] = {}
+        failures: list[Failure] = []
+        pending, deadline = list(refs), None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                break  # the grace is over
+            rank = refs[ready[0]]
+            outcome = self._outcome(rank, ready[0])
+            if isinstance(outcome, Failure):
+                failures.append(outcome)
+                deadline = deadline or time.monotonic() + self.FORM_GRACE_S
+            else:
+                results[rank] = outcome
+        if not failures:
+            return results
+        stuck = sorted(refs[ref] for ref in pending)
+        lost = sorted({f.rank for f in failures if f.kind != "interrupted"} | set(stuck))
+        for rank in lost:
+            self.kill(rank)
+        raise ReformFailed(failures, lost)
 
     def _start_spare(self) -> None:
-        if self._spare is None and self.config.failure.warm_spare and not self.use_gpu:
+        if self._spare is None and self.config.failure.warm_spare and not self.use_gpu and self.slots:
             self._spare = self._actor(self.slots[0], spare=True)
-            self._spare_node = (self._spare.node.remote(), self.nodes[0].get("node_id"))
+            self._spare_node = (self._spare.node.remote(), self.nodes[0].node_id)
 
     def _take_spare(self, rank: int) -> Any:
         """The spare, if it is (or is being) started on the node of `rank`'s bundle; used
@@ -291,13 +389,13 @@ class RayWorkerGroup:
             return None
         ref, node_id = self._spare_node
         try:
-            node_id = ray.get(ref, timeout=0)["node_id"]
+            node_id = ray.get(ref, timeout=0).node_id
         except GetTimeoutError:
             pass
         except (RayActorError, RayTaskError):  # it died (its node with it?): start a new one later
             self._spare = None
             return None
-        if node_id != self.nodes[rank].get("node_id"):
+        if node_id != self.nodes[rank].node_id:
             return None
         spare, self._spare = self._spare, None
         if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
@@ -305,13 +403,12 @@ class RayWorkerGroup:
             return None
         return spare
 
-    def _wait_placed(self, ranks: list[int], others: int) -> dict[int, dict[str, Any]]:
-        """Wait for the new workers of `ranks` to be placed and up; return their nodes by rank.
-        Gives up on the rest after replace_timeout_s if `others` plus those placed make
-        min_workers, and after placement_timeout_s in any case."""
+    def _wait_placed(self, ranks: list[int], others: int) -> dict[int, Node]:
+        """Wait for the new workers of `ranks` to be placed and up; return their nodes by
+        rank. How long: policy.keep_waiting_for_placement."""
         scaling = self.config.scaling
         refs = {self.actors[r].node.remote(): r for r in ranks}
-        placed: dict[int, dict[str, Any]] = {}
+        placed: dict[int, Node] = {}
         t0 = time.monotonic()
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.1)
@@ -321,9 +418,10 @@ class RayWorkerGroup:
                     placed[rank] = ray.get(ref)
                 except (RayActorError, RayTaskError):
                     pass  # lost again (its node went too): treated as not placed
-            waited = time.monotonic() - t0
-            if waited >= scaling.placement_timeout_s or (
-                    waited >= scaling.replace_timeout_s and others + len(placed) >= scaling.min_workers):
+            if not keep_waiting_for_placement(time.monotonic() - t0, len(placed), others,
+                                              min_workers=scaling.min_workers,
+                                              replace_timeout_s=scaling.replace_timeout_s,
+                                              placement_timeout_s=scaling.placement_timeout_s):
                 break
         return placed
 
@@ -331,7 +429,7 @@ class RayWorkerGroup:
         taken = set(self.slots) | {slot for slot, _, _ in self._joining}
         return [(pg, i) for pg in self.pgs for i in range(len(pg.bundle_specs)) if (pg, i) not in taken]
 
-    def _ready_joiners(self, take: bool) -> list[tuple[tuple[Any, int], Any, dict[str, Any]]]:
+    def _ready_joiners(self, take: bool) -> list[tuple[tuple[Any, int], Any, Node]]:
         """The started workers that are up, as (slot, actor, node); `take` removes them
         from those joining. Workers that failed to start are dropped."""
         ready, still = [], []
@@ -354,7 +452,7 @@ class RayWorkerGroup:
         joining = [actor for _, actor, _ in self._joining]
         for actor in self.actors + joining + ([self._spare] if self._spare is not None else []):
             ray.kill(actor, no_restart=True)
-        self._spare = None
+        self._spare = self._secured = None
         self.actors, self._runs, self._pending, self._finished, self._joining = [], [], [], {}, []
         for pg in self.pgs:
             remove_placement_group(pg)
@@ -362,11 +460,18 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ helpers
 
-    def _drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def _drain(self, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Rank 0's new rows and events. A call not answered within `timeout` (rank 0 is
+        frozen, or the machine busy) is collected at the next poll, never asked twice."""
+        if self._drain_ref is None:
+            self._drain_ref = _control(self.actors[0], "drain").remote()
+        if not ray.wait([self._drain_ref], timeout=timeout)[0]:
+            return [], []
+        ref, self._drain_ref = self._drain_ref, None
         try:
-            return ray.get(self.actors[0].drain.remote())
+            return ray.get(ref)
         except RayActorError:
-            return [], []  # rank 0 died; its run() ref reports why
+            return [], []  # rank 0 died; its run() ref says why
 
     def _check_fits(self, num_workers: int) -> None:
         """Fail at once when no placement can ever succeed: the cluster cannot grow and
@@ -381,6 +486,31 @@ class RayWorkerGroup:
                 f"{_resources_text(free=False)}. Lower scaling.num_workers or "
                 "scaling.resources_per_worker, or connect to a larger cluster (--address)"
             )
+
+
+_REMOTE_WORKER: Any = None
+
+
+def _remote_worker() -> Any:
+    global _REMOTE_WORKER
+    if _REMOTE_WORKER is None:
+        _REMOTE_WORKER = ray.remote(concurrency_groups={CONTROL: 4})(Worker)
+    return _REMOTE_WORKER
+
+
+def _control(actor: Any, method: str) -> Any:
+    return getattr(actor, method).options(concurrency_group=CONTROL)
+
+
+def _sigkill(pid: int) -> bool:
+    import os
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _resources_text(free: bool = True) -> str:

@@ -36,6 +36,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -145,6 +146,8 @@ class Loop:
         claimed: set[tuple[int, int]] = set()
         self._chaos_claim = chaos_claim or (lambda i, step: (i, step) not in claimed and not claimed.add((i, step)))
         self._chaos_now: list[tuple[int, ChaosFault, int]] = []
+        self._chaos_timers: list[threading.Timer] = []  # faults at a random moment of a step
+        self._step_seconds = 0.0  # the last step's duration: where a random moment falls
         self._started = False
         if state is not None:
             self.load_state_dict(state)
@@ -234,6 +237,7 @@ class Loop:
 
     def train_step(self) -> None:
         step = self.step + 1
+        started = time.perf_counter()
         _seed_all(self.cfg.seed, self.rank, step, self.device)
         self._buffers_at_step_start = [b.detach().clone() for b in self.module.buffers()]
         self._arm_chaos(step)
@@ -250,7 +254,9 @@ class Loop:
                     with self._autocast():
                         out = self.task.train_step(self.model, batch)
                 loss = self._loss_of(out) / divisor
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                # DDP's gradient all-reduce completes inside the last backward.
+                with self._phase("collective") if sync and self.model is not self.module else _NO_PHASE:
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
             self.progress += 1
             values = self._stack(out, "train") / divisor
             total = values if total is None else total + values
@@ -279,6 +285,7 @@ class Loop:
         self.step += 1
         self.position += self.plan.global_batch_size
         self._after_pending = True
+        self._step_seconds = time.perf_counter() - started
 
         now = time.perf_counter()
         rate = self.plan.global_batch_size / max(now - self._last_time, 1e-9)
@@ -318,7 +325,8 @@ class Loop:
             total = values if total is None else total + values
             count += n
         model.train()
-        sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
+        with self._phase("collective"):
+            sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
         means = (sums[:-1] / sums[-1]).tolist()
         metrics = {f"val_{k}": v for k, v in zip(self._val_keys, means)}
         self.latest_metrics.update(metrics)
@@ -344,7 +352,8 @@ class Loop:
         while self._pending and (wait or len(self._pending) > 1):
             work, values, window = self._pending.pop(0)
             if work is not None:
-                work.wait()
+                with self._phase("collective"):
+                    work.wait()
             self._pause_agreed |= bool(values[-1, -1] > 0)
             means = (values[:, :-1] / self.world_size).tolist()
             keys = self._train_keys + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
@@ -445,6 +454,9 @@ class Loop:
         if self.scaler is not None:  # an unscale_ without its step would be remembered
             self.scaler = _fresh_scaler(self.scaler)
         self._window, self._pending, self._chaos_now = [], [], []
+        for timer in self._chaos_timers:
+            timer.cancel()
+        self._chaos_timers = []
         self.phase = "framework"
         self.module.train()
 
@@ -499,39 +511,54 @@ class Loop:
                 group["lr"] = lr
 
     @contextlib.contextmanager
-    def _in_user_code(self):
-        self.phase = "user"
+    def _phase(self, phase: str):
+        """Where this rank is, for the driver's hang check (see Worker.status)."""
+        outer, self.phase = self.phase, phase
         try:
             yield
         finally:
-            self.phase = "framework"
+            self.phase = outer
+
+    def _in_user_code(self):
+        return self._phase("user")
 
     def _arm_chaos(self, step: int) -> None:
-        """Decide, on every rank alike, which faults act after `step`, and on which rank."""
+        """Decide, on every rank alike, which faults act in or after `step`, and on which
+        rank; start the timers of those that act at a random moment of it."""
         for i, fault in enumerate(self.chaos):
             rng = random.Random(hash((self.cfg.seed, 0xC4A05, i, step)))  # ints: hash() is stable
             due = fault.step == step if fault.step is not None else rng.random() < fault.probability
-            if due:
-                rank = fault.rank if fault.rank is not None else rng.randrange(self.world_size)
+            if not due:
+                continue
+            rank = fault.rank if fault.rank is not None else rng.randrange(self.world_size)
+            if fault.at == "end":
                 self._chaos_now.append((i, fault, rank))
+            elif rank == self.rank:
+                timer = threading.Timer(rng.uniform(0.0, self._step_seconds), self._fire_chaos, (i, fault, step))
+                timer.daemon = True
+                timer.start()
+                self._chaos_timers.append(timer)
 
     def _act_chaos(self) -> None:
         now, self._chaos_now = self._chaos_now, []
         for i, fault, rank in now:
-            if rank != self.rank or not self._chaos_claim(i, self.step):
-                continue
-            self.notify({"event": "chaos", "step": self.step, "action": fault.action})
-            with self._in_user_code():
-                if fault.action == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif fault.action == "delay":
-                    time.sleep(fault.seconds)
-                elif fault.action == "hang":
-                    while True:
-                        time.sleep(1.0)
-                else:
-                    raise ChaosError(f"chaos: raise after step {self.step} on rank {self.rank}")
+            if rank == self.rank:
+                with self._in_user_code():
+                    self._fire_chaos(i, fault, self.step)
 
+    def _fire_chaos(self, i: int, fault: ChaosFault, step: int) -> None:
+        if not self._chaos_claim(i, step):
+            return
+        self.notify({"event": "chaos", "step": step, "action": fault.action, "at": fault.at})
+        if fault.action in ("kill", "freeze"):
+            os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+        elif fault.action == "delay":
+            time.sleep(fault.seconds)
+        elif fault.action == "hang":
+            while True:
+                time.sleep(1.0)
+        else:
+            raise ChaosError(f"chaos: raise after step {step} on rank {self.rank}")
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -595,6 +622,9 @@ class Loop:
             else torch.tensor(float(out[k]), device=self.device)
             for k in keys
         ])
+
+
+_NO_PHASE = contextlib.nullcontext()
 
 
 class _FixedBuckets:

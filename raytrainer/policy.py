@@ -1,34 +1,20 @@
 """What to do about a failure: pure decisions, no actors, no torch.
 
-The controller reports what it saw (which workers died, hung, raised, or were
-merely interrupted by a peer's failure) and carries out the decision.
+The controller and the group report what they saw (which workers died, hung, raised,
+or were merely interrupted by a peer's failure; who is stalled and where; who holds
+which state) and carry out the decisions: whether to recover, whom to blame for a
+hang, whose state the others take, how long to wait for a replacement.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from .contract import Failure, Status
 from .errors import RaytrainerError, WorkerError
 
-
-@dataclass(frozen=True)
-class Failure:
-    rank: int
-    kind: Literal["died", "hung", "error", "interrupted"]
-    """died: the process or its node is gone; hung: no progress, killed by the driver;
-    error: the worker's code raised; interrupted: a collective failed under it because
-    a peer failed (a consequence, not a cause)."""
-    cause: str
-    step: int | None = None
-    """The last step this worker completed, where known."""
-    node: str | None = None
-    error: BaseException | None = None
-    """For `error`: what the worker raised (a WorkerError with its traceback, or ours)."""
-
-    @property
-    def error_type(self) -> str:
-        return self.cause.partition(":")[0]
+__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "blame", "choose_source",
+           "keep_waiting_for_placement", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +57,45 @@ class FailurePolicy:
             error = next((f.error for f in causes if isinstance(f.error, WorkerError)), None)
             return Decision(False, reason, error or FailuresExceeded(reason))
         return Decision(True, "; ".join(f"rank {f.rank} {f.kind}" for f in causes))
+
+
+def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[int]:
+    """Of the workers that made no progress for too long (rank -> its status, None where it
+    did not answer), the ones to kill as hung.
+
+    A worker that does not answer its control channel is frozen (SIGSTOP, a paused VM, a
+    process stuck holding the GIL); one stalled in its own or the task's code is stuck
+    there; one waiting in a collective waits for those. So: the silent ones if any, else
+    the ones not in a collective, else (all wait in collectives: a deadlock, or a hang in
+    the communication library) those behind the others, else all of them. While
+    `recovering` from another failure, a worker in a collective waits for the failed one
+    to be gone, and is never to blame."""
+    silent = [r for r, s in stalled.items() if s is None]
+    if silent:
+        return sorted(silent)
+    answering = {r: s for r, s in stalled.items() if s is not None}
+    working = [r for r, s in answering.items() if s.phase != "collective"]
+    if working or recovering:
+        return sorted(working)
+    least = min((s.progress for s in answering.values()), default=0)
+    return sorted(r for r, s in answering.items() if s.progress == least)
+
+
+def choose_source(statuses: dict[int, Status]) -> int:
+    """The survivor whose state every worker takes: the one furthest ahead (the others
+    stopped where a peer failed under them, at most one step behind), the lowest rank
+    among equals."""
+    return max(sorted(statuses), key=lambda r: statuses[r].position)
+
+
+def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min_workers: int,
+                               replace_timeout_s: float, placement_timeout_s: float) -> bool:
+    """Whether to keep waiting for lost workers' replacements to be placed: up to
+    replace_timeout_s while the workers kept (`others`) plus those placed make min_workers
+    (after that the group shrinks), up to placement_timeout_s in any case."""
+    if waited_s >= placement_timeout_s:
+        return False
+    return waited_s < replace_timeout_s or others + placed < min_workers
 
 
 def root_causes(failures: list[Failure]) -> list[Failure]:

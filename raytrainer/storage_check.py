@@ -13,17 +13,19 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from .contract import Node
+
 from .errors import ConfigError
 
 
-def check_shared_storage(run_dir: Path, storage: str, nodes: list[dict[str, Any]], driver_node_id: str,
+def check_shared_storage(run_dir: Path, storage: str, nodes: list[Node], driver_node_id: str,
                          sees: Callable[[str], list[bool]]) -> dict[str, Any] | None:
     """Raise ConfigError unless every worker sees `run_dir`. `nodes[rank]` is rank's node
     info (node_id, ip); `sees(path)` answers, per rank, whether that worker sees the file.
 
     Returns what was checked, or None when all workers share the driver's node (the
     driver's own file system then is theirs)."""
-    if all(n.get("node_id") == driver_node_id for n in nodes):
+    if all(n.node_id == driver_node_id for n in nodes):
         return None
     marker = Path(run_dir).resolve() / f".raytrainer-storage-check-{uuid.uuid4().hex}"
     marker.write_text("raytrainer checks that every worker sees the run directory\n")
@@ -33,11 +35,11 @@ def check_shared_storage(run_dir: Path, storage: str, nodes: list[dict[str, Any]
         marker.unlink(missing_ok=True)
     blind = [rank for rank, ok in enumerate(seen) if not ok]
     if blind:
-        where = ", ".join(f"rank {r} on {nodes[r].get('ip')} ({nodes[r].get('node_id', '?')[:8]})" for r in blind)
+        where = ", ".join(f"rank {r} on {nodes[r].ip} ({(nodes[r].node_id or '?')[:8]})" for r in blind)
         raise ConfigError(
             f"run.storage={storage!r} is not shared: the run directory {str(run_dir)!r} written by "
             f"the driver is not visible to {where}. Workers on several nodes need storage every "
             "node sees at the same path: set run.storage to a shared file system path (e.g. an "
             "NFS mount present on every node) or to an s3:// URI"
         )
-    return {"nodes": len({n.get("node_id") for n in nodes}), "workers": len(nodes)}
+    return {"nodes": len({n.node_id for n in nodes}), "workers": len(nodes)}

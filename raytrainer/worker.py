@@ -1,7 +1,9 @@
 """One training process: builds the task itself, joins the process group, runs the loop.
 
-A plain class; group.py makes it a Ray actor (with a second thread, so the
-driver can drain metrics, read progress and dump stacks while `run` trains).
+A plain class; group.py makes it a Ray actor with two concurrency groups: the default
+one (one thread: setup, run, regroup, get_state, one at a time) and "control" (status,
+drain, stacks, pause, abort), which answers the driver while `run` trains or is
+blocked in a collective.
 
 When a peer fails, `run` returns "interrupted" instead of raising: the process,
 its model and its optimizer stay, at the last step this worker completed, ready
@@ -22,7 +24,8 @@ from typing import Any
 
 from .callbacks import Callbacks
 from .config import load_config
-from .errors import RaytrainerError, WorkerError
+from .contract import Node, RunEnd, Status
+from .errors import PeerFailure, RaytrainerError, WorkerError
 from .task import build_task
 
 # torch is imported inside the methods: the driver imports this module to create
@@ -41,20 +44,20 @@ class Worker:
         self.config = load_config(config)
         self.rank: int | None = None
         self.loop = None
+        self._backend = "gloo"
+        self._run_thread: int | None = None  # the thread that trains, for status()
         self._rows: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
-    def node(self) -> dict[str, Any]:
+    def node(self) -> Node:
+        import os
+
         import ray
 
-        ctx = ray.get_runtime_context()
-        return {
-            "ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(),
-            "node_id": ctx.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        }
+        return Node(ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
+                    node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
+                    gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
 
     def sees_file(self, path: str) -> bool:
         """Whether this worker's node sees `path` (the shared-storage check at start)."""
@@ -66,12 +69,12 @@ class Worker:
         """Address for the process group's store; asked of rank 0 only."""
         from .dist import free_port
 
-        return self.node()["ip"], free_port()
+        return self.node().ip, free_port()
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | None = None) -> dict[str, int]:
+              resume: bytes | None = None) -> tuple[int | None, int]:
         """Join the group, build the task, and load `resume` (checkpoint bytes, or a
-        survivor's state) if given."""
+        survivor's state) if given. Returns (total steps, steps per epoch)."""
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop
 
@@ -85,7 +88,7 @@ class Worker:
             device = choose_device(use_gpu)
             self._backend = choose_backend(cfg.scaling.backend, use_gpu)
             task = build_task(cfg.task.target, cfg.task.args)
-            init_group(rank, world_size, addr, port, self._backend)
+            init_group(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
             callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
             self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
                              report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(rank),
@@ -93,49 +96,52 @@ class Worker:
                              chaos_claim=self._chaos_claim, max_world_size=cfg.scaling.max_workers,
                              base_world_size=cfg.scaling.num_workers,
                              state=_load(resume) if resume is not None else None)
-            return {"total_steps": self.loop.total_steps, "steps_per_epoch": self.loop.plan.steps_per_epoch}
+            return self.loop.total_steps, self.loop.plan.steps_per_epoch
 
-    def run(self) -> dict[str, Any]:
-        """Train to the end and return {"status": "finished", ...} (rank 0 adds the final
-        weights as torch.save bytes), {"status": "interrupted", "step": ...} when a peer
-        failed, or {"status": "paused", ...} when asked to; raise WorkerError when this
-        worker's own code did."""
+    def run(self) -> RunEnd:
+        """Train to the end ("finished"; rank 0 adds the final weights as torch.save
+        bytes), or stop at the last completed step when a peer failed ("interrupted") or
+        when asked to ("paused"); raise WorkerError when this worker's own code did."""
         import time
 
-        from .dist import destroy_group
+        from .dist import leave_group
 
+        self._run_thread = threading.get_ident()
         try:
             weights = self.loop.fit()
         except Exception as exc:
-            destroy_group()  # peers blocked on this worker in a collective fail now, not later
+            leave_group(failed=True)  # peers blocked on this worker in a collective fail now, not later
             interrupted = _peer_failure(exc)
             error = None if interrupted else _worker_error(self, exc)
             self.loop.abandon_step()
             if error is not None:
                 raise error from None
-            return {"status": "interrupted", "step": self.loop.step, "after_pending": self.loop._after_pending,
-                    "cause": f"{type(exc).__name__}: {exc}"}
-        destroy_group()
+            return RunEnd("interrupted", self.loop.step, self.loop._after_pending,
+                          cause=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._run_thread = None
+        leave_group()
         if self.loop.paused:
-            return {"status": "paused", "step": self.loop.step, "time": time.time()}
-        result = {"status": "finished", "stop_reason": self.loop.stop_reason, "model": None,
-                  "step": self.loop.step}
-        if weights is not None:
-            result["model"] = _dump(weights)
-        return result
+            return RunEnd("paused", self.loop.step, time=time.time())
+        return RunEnd("finished", self.loop.step, stop_reason=self.loop.stop_reason,
+                      model=_dump(weights) if weights is not None else None)
 
-    # ------------------------------------------------------------------ recovery
+    # ------------------------------------------------------------------ control (answered while run() trains)
 
-    def status(self) -> dict[str, Any]:
-        """Progress for the driver's hang check (answered while `run` trains)."""
+    def status(self) -> Status:
+        """Progress for the driver's hang check. The phase is "collective" where the loop
+        waits for its peers, or where the training thread is anywhere inside
+        torch.distributed (a collective in DDP's forward, or in the task's own code)."""
         loop = self.loop
         if loop is None:
-            return {"step": 0, "progress": 0, "phase": "setup", "after_pending": False}
-        return {"step": loop.step, "progress": loop.progress, "phase": loop.phase,
-                "after_pending": loop._after_pending}
+            return Status(0, 0, "setup")
+        phase = loop.phase
+        if phase != "collective" and _in_collective(sys._current_frames().get(self._run_thread)):
+            phase = "collective"
+        return Status(loop.step, loop.progress, phase, loop._after_pending)
 
     def request_pause(self) -> None:
-        """Pause `run` at the next step boundary all ranks agree on (answered while it trains)."""
+        """Pause `run` at the next step boundary all ranks agree on."""
         if self.loop is not None:
             self.loop.pause_requested = True
 
@@ -147,24 +153,52 @@ class Worker:
             parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
         return "\n".join(parts)
 
+    def flight_record(self) -> bytes | None:
+        """torch's flight recorder of this process's collectives (JSON), if it kept one."""
+        from .dist import flight_record
+
+        return flight_record()
+
+    def abort(self) -> bool:
+        """Abort this worker's NCCL communicators: a collective blocked on a lost peer then
+        raises now instead of at the collective timeout. (Gloo needs nothing: a collective
+        fails as soon as a peer's sockets close.)"""
+        from .dist import abort_group
+
+        return abort_group()
+
+    def kill_process(self, pid: int) -> None:
+        """SIGKILL a process on this node: a frozen peer, which Ray itself kills only after
+        a grace period (see group._kill)."""
+        import os
+        import signal
+
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    # ------------------------------------------------------------------ recovery (while run() is not running)
+
     def get_state(self) -> bytes:
         """This worker's training state, for workers that lost or lack theirs."""
         return _dump(self.loop.state_dict())
 
     def regroup(self, rank: int, world_size: int, addr: str, port: int,
-                state: bytes | None = None) -> dict[str, int]:
-        """Join a re-formed process group as `rank`, first taking `state` if given."""
+                state: bytes | None = None) -> int:
+        """Join a re-formed process group as `rank`, first taking `state` if given;
+        return the step it will continue after."""
         from .dist import init_group
 
         with _as_worker_error(self):
-            init_group(rank, world_size, addr, port, self._backend)
-            if state is not None:
+            if state is not None:  # first: should the group fail to form, this state is kept
                 self.loop.load_state_dict(_load(state))
+            init_group(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
             self.rank = rank
             # Only rank 0 writes, and ranks are renumbered when the group shrinks.
             self.loop.checkpoints = (self.loop.checkpoints or self._checkpoints(0)) if rank == 0 else None
             self.loop.regroup(rank, world_size)
-            return {"step": self.loop.step}
+            return self.loop.step
 
     # ------------------------------------------------------------------ helpers
 
@@ -201,9 +235,13 @@ class Worker:
 
 @contextlib.contextmanager
 def _as_worker_error(worker: Worker):
+    """Forming a group: a peer lost meanwhile is a PeerFailure (this worker is fine), any
+    other exception this worker's own error."""
     try:
         yield
     except Exception as exc:
+        if _peer_failure(exc):
+            raise PeerFailure(f"{type(exc).__name__}: {exc}") from None
         raise _worker_error(worker, exc) from None
 
 
@@ -232,6 +270,17 @@ def _peer_failure(exc: Exception) -> bool:
     return isinstance(exc, RuntimeError) and any(
         marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
                                       "ProcessGroupGloo", "NCCL error", "Socket Timeout"))
+
+
+def _in_collective(frame: Any) -> bool:
+    """Whether a thread's stack (its innermost frame) is inside torch.distributed or
+    DDP's own communication."""
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/distributed/" in path or path.endswith("/torch/nn/parallel/distributed.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _dump(obj: Any) -> bytes:

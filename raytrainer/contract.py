@@ -1,0 +1,150 @@
+"""The typed contract between the driver's controller and a worker group: what the
+controller asks and what it gets back. No Ray and no torch here; group.RayWorkerGroup is
+the production group, tests drive the controller with a fake one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Phase = Literal["setup", "user", "framework", "collective"]
+"""Where a worker's training thread is: building the task, in the task's code (or its
+data), in ours, or waiting for its peers in a collective."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """Where a worker runs."""
+
+    ip: str
+    hostname: str = ""
+    node_id: str = ""
+    pid: int = 0
+    gpu_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Status:
+    """A worker's progress, answered on its control channel while it trains."""
+
+    step: int
+    """Optimizer steps completed."""
+    progress: int
+    """Micro-batches and validation batches done: it moves while the worker works."""
+    phase: Phase
+    after_pending: bool = False
+    """The work after `step` (validation, logging, checkpoint) is not done yet."""
+
+    @property
+    def position(self) -> tuple[int, bool]:
+        """How far its state is: a later step, or the same step with its work done."""
+        return self.step, not self.after_pending
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    kind: Literal["died", "hung", "error", "interrupted"]
+    """died: the process or its node is gone; hung: no progress, killed by the driver;
+    error: the worker's code raised; interrupted: a collective failed under it because
+    a peer failed (a consequence, not a cause)."""
+    cause: str
+    step: int | None = None
+    """The last step this worker completed, where known."""
+    node: str | None = None
+    error: BaseException | None = None
+    """For `error`: what the worker raised (a WorkerError with its traceback, or ours)."""
+
+    @property
+    def error_type(self) -> str:
+        return self.cause.partition(":")[0]
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a worker's run() ended, other than by raising."""
+
+    status: Literal["finished", "interrupted", "paused"]
+    step: int
+    after_pending: bool = False
+    cause: str = ""
+    """interrupted: the collective error that stopped it."""
+    time: float = 0.0
+    """paused: when it stopped (time.time())."""
+    stop_reason: str | None = None
+    model: bytes | None = None
+    """finished, on rank 0: the final weights as torch.save bytes."""
+
+
+@dataclass
+class Poll:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # from workers, e.g. checkpoints
+    done: bool = False
+    result: RunEnd | None = None  # rank 0's end once every worker finished
+    failures: list[Failure] = field(default_factory=list)  # workers whose run() ended otherwise
+    finished: dict[int, RunEnd] = field(default_factory=dict)  # rank -> newly finished
+    paused: dict[int, RunEnd] = field(default_factory=dict)  # rank -> newly paused (a resize)
+
+
+@dataclass(frozen=True)
+class Formed:
+    """A group formed from scratch (at the start, or from a checkpoint)."""
+
+    nodes: list[Node]
+    total_steps: int | None = None
+    steps_per_epoch: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """A group re-formed after a failure or a pause, with the state of `source`."""
+
+    step: int
+    nodes: list[Node]
+    source: int | None
+    """The rank (before the re-form) whose state every worker now has; None: the state
+    was one kept from an earlier attempt of this recovery (`state_from`)."""
+    state_from: Literal["memory", "object_store"] = "memory"
+    replaced: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    added: int = 0
+    resynced: list[int] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes)
+
+
+class ReformFailed(Exception):
+    """A re-form that failed part-way (a worker died, hung or raised while the group
+    formed). The group is left with every live worker idle; `failures` are the causes,
+    to count, and `dead` every rank now gone (the failed and any killed to unblock the
+    rest), with ranks as the group now numbers them."""
+
+    def __init__(self, failures: list[Failure], dead: list[int]):
+        self.failures, self.dead = failures, dead
+        super().__init__("; ".join(f"rank {f.rank} {f.kind}: {f.cause}" for f in failures))
+
+
+class WorkerGroup(Protocol):
+    """What the controller drives."""
+
+    def start(self) -> list[Node]: ...
+    def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None: ...
+    def setup(self, resume: bytes | None = None) -> Formed: ...
+    def launch(self) -> None: ...
+    def poll(self, timeout: float) -> Poll: ...
+    def status(self, timeout: float = 1.0) -> list[Status | None]: ...
+    def dump_stacks(self, rank: int) -> str | None: ...
+    def kill(self, rank: int) -> None: ...
+    def abort(self, ranks: list[int]) -> None: ...
+    def reform(self, dead: list[int]) -> Reformed: ...
+    def joinable(self) -> int: ...
+    def pause(self) -> None: ...
+    def shutdown(self) -> None: ...
