@@ -12,17 +12,31 @@ class RegressionTask(Task):
     """A tiny MLP regressing a fixed random linear map; deterministic data on every worker."""
 
     def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
-                 no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None):
+                 no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
+                 saving_marker=None):
         self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
         self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
         self.no_loss = no_loss
         self.dropout, self.record, self.sleep_s = dropout, record, sleep_s
         self.fail_on_sample = fail_on_sample  # a "corrupt sample": fails wherever it is trained on
+        # A path prefix: taking the model's state (a checkpoint, a copy for recovery) writes
+        # <prefix><pid> and then takes a second, so a test can act while it is under way.
+        self.saving_marker = saving_marker
         self.steps = 0
 
     def build_model(self):
-        return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(self.dropout),
-                                   torch.nn.Linear(16, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(self.dropout),
+                                    torch.nn.Linear(16, 1))
+        if self.saving_marker:
+            def slowly(module, state, prefix, local_metadata):
+                import os
+                import time
+
+                open(f"{self.saving_marker}{os.getpid()}", "w").close()
+                time.sleep(1.0)
+
+            model._register_state_dict_hook(slowly)
+        return model
 
     def build_optimizer(self, model):
         return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
@@ -160,3 +174,4 @@ class ElasticTask(RegressionTask):
         if self.slow_while and os.path.exists(self.slow_while):
             time.sleep(self.sleep_s)
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+

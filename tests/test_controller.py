@@ -4,10 +4,14 @@ import json
 
 import pytest
 
+from raytrainer.config import FailureConfig
+from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd
 from raytrainer.controller import Controller, State
 from raytrainer.errors import ConfigError, WorkerError
-from raytrainer.group import Poll
 from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
+from raytrainer.policy import FailuresExceeded
+
+NODES = [Node("10.0.0.1", pid=100), Node("10.0.0.2", pid=200)]
 
 
 class FakeGroup:
@@ -19,7 +23,7 @@ class FakeGroup:
 
     def start(self):
         self.calls.append(("start", 2))
-        return [{"ip": "10.0.0.1"}] * 2
+        return NODES
 
     def check_storage(self, nodes):
         self.calls.append(("check_storage", len(nodes)))
@@ -31,7 +35,7 @@ class FakeGroup:
         self.calls.append(("setup",))
         if self.fail_on_setup:
             raise self.fail_on_setup
-        return {"total_steps": 3}
+        return Formed(NODES, total_steps=3)
 
     def launch(self):
         self.calls.append(("launch",))
@@ -44,6 +48,9 @@ class FakeGroup:
 
     def shutdown(self):
         self.calls.append(("shutdown",))
+
+
+WEIGHTS = RunEnd("finished", 3, stop_reason="completed", model=b"weights")
 
 
 def rows(*steps):
@@ -61,9 +68,9 @@ def read(path):
 
 
 def test_rows_reach_the_sinks_and_the_run_finishes(tmp_path):
-    group = FakeGroup([Poll(rows(1, 2)), Poll([]), Poll(rows(3), done=True, result="weights")])
+    group = FakeGroup([Poll(rows(1, 2)), Poll([]), Poll(rows(3), done=True, result=WEIGHTS)])
     controller, hub, events = make(tmp_path, group)
-    assert controller.run() == "weights"
+    assert controller.run() == WEIGHTS
     hub.close(), events.close()
     assert controller.state is State.FINISHED
     assert [r["step"] for r in read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
@@ -109,7 +116,7 @@ def test_storage_not_shared_fails_before_setup(tmp_path):
 
 
 def test_a_storage_check_that_ran_is_logged(tmp_path):
-    group = FakeGroup([Poll(rows(1), done=True)], storage={"nodes": 2, "workers": 2})
+    group = FakeGroup([Poll(rows(1), done=True, result=WEIGHTS)], storage={"nodes": 2, "workers": 2})
     controller, _, events = make(tmp_path, group)
     controller.run()
     events.close()
@@ -134,18 +141,17 @@ class GrowingGroup(FakeGroup):
 
     def reform(self, dead):
         self.calls.append(("reform", tuple(dead)))
-        return {"step": 2, "world_size": 3, "source": 0, "replaced": [], "dropped": [], "added": 1,
-                "resynced": []}
+        return Reformed(step=2, nodes=NODES + [Node("10.0.0.3")], source=0, added=1)
 
 
 def test_room_to_grow_pauses_the_workers_and_reforms_the_group(tmp_path):
-    paused = {"status": "paused", "step": 2, "time": 0.0}
+    paused = RunEnd("paused", 2, time=0.0)
     group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(paused={0: paused}), Poll(paused={1: paused}),
-                          Poll(rows(3), done=True, result="weights")])
+                          Poll(rows(3), done=True, result=WEIGHTS)])
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
     controller = Controller(group, 2, hub, events, poll_interval_s=0, max_workers=3, grow_check_s=0)
-    assert controller.run() == "weights"
+    assert controller.run() == WEIGHTS
     events.close()
     # Asked once (no second pause while the first is under way), reformed once all paused.
     calls = [c for c in group.calls if c[0] in ("joinable", "pause", "reform", "launch")]
@@ -158,7 +164,128 @@ def test_room_to_grow_pauses_the_workers_and_reforms_the_group(tmp_path):
 
 
 def test_a_fixed_size_run_never_looks_for_room(tmp_path):
-    group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(rows(3), done=True, result="w")])
+    group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(rows(3), done=True, result=WEIGHTS)])
     controller, _, events = make(tmp_path, group)
     controller.run()
     assert ("joinable",) not in group.calls
+
+
+# ---------------------------------------------------------------------- recovery as a loop
+
+class FailingGroup(FakeGroup):
+    """A group whose re-forms go as scripted: each item a Reformed to return, or an
+    exception (ReformFailed, NoSurvivors) to raise."""
+
+    def __init__(self, polls, reforms, restore_setup_fails=()):
+        super().__init__(polls)
+        self.reforms = list(reforms)
+        self.setup_fails = list(restore_setup_fails)
+
+    def setup(self, resume=None):
+        self.calls.append(("setup", resume))
+        if self.setup_fails:
+            raise self.setup_fails.pop(0)
+        return Formed(NODES, total_steps=3)
+
+    def status(self, timeout=1.0):
+        return [None, None]
+
+    def abort(self, ranks):
+        self.calls.append(("abort", tuple(ranks)))
+
+    def kill(self, rank):
+        self.calls.append(("kill", rank))
+
+    def reform(self, dead):
+        self.calls.append(("reform", tuple(dead)))
+        item = self.reforms.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def died(rank, step=1):
+    return Failure(rank, "died", "the worker process died", step, "10.0.0.1")
+
+
+def interrupted(rank, step=1):
+    return Failure(rank, "interrupted", "Connection closed by peer", step, "10.0.0.1")
+
+
+def recovering(tmp_path, group, max_failures, restore=None):
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 2, hub, events, poll_interval_s=0, restore=restore,
+                            failure=FailureConfig(max_failures=max_failures, step_timeout_s=None))
+    return controller, events
+
+
+def test_a_failure_while_reforming_is_one_more_counted_failure_and_recovery_starts_over(tmp_path):
+    reformed = Reformed(step=1, nodes=NODES, source=None, state_from="object_store", replaced=[0])
+    group = FailingGroup(
+        [Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)]),
+         Poll(rows(2, 3), done=True, result=WEIGHTS)],
+        [ReformFailed([died(0)], dead=[0]), reformed])
+    controller, events = recovering(tmp_path, group, max_failures=2)
+    assert controller.run() == WEIGHTS
+    events.close()
+    # The survivors were aborted (a no-op on Gloo, vital on NCCL) before the group re-formed.
+    assert [c for c in group.calls if c[0] in ("abort", "reform")] == [("abort", (0,)), ("reform", (1,)),
+                                                                      ("reform", (0,))]
+    log = read(tmp_path / "events.jsonl")
+    assert [(e["event"], e.get("rank")) for e in log if e["event"] in ("worker_failed", "recovered")] == \
+        [("worker_failed", 1), ("worker_failed", 0), ("recovered", None)]
+    recovered = next(e for e in log if e["event"] == "recovered")
+    assert recovered["failures"] == 2 and recovered["attempts"] == 2 and recovered["state_from"] == "object_store"
+
+
+def test_failures_while_recovering_are_bounded_by_max_failures(tmp_path):
+    group = FailingGroup([Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)])],
+                         [ReformFailed([died(0)], dead=[0]), ReformFailed([died(1)], dead=[1])])
+    controller, events = recovering(tmp_path, group, max_failures=1)
+    with pytest.raises(FailuresExceeded, match=r"max_failures=1 exceeded: failure 2 .*rank 0 died"):
+        controller.run()
+    events.close()
+    log = read(tmp_path / "events.jsonl")
+    assert log[-1]["event"] == "failed" and "raise failure.max_failures" in log[-1]["reason"]
+    assert group.calls[-1] == ("shutdown",)
+
+
+def test_with_no_survivor_it_restores_and_a_failed_restart_is_absorbed_too(tmp_path):
+    from raytrainer.errors import NoSurvivors
+
+    checkpoint = (1, "step-00000001", b"state")
+    group = FailingGroup(
+        [Poll(rows(1)), Poll(failures=[died(0), died(1)]), Poll(rows(2, 3), done=True, result=WEIGHTS)],
+        [NoSurvivors("none"), Reformed(step=1, nodes=NODES, source=1, replaced=[0])])
+    restores = []
+    controller, events = recovering(tmp_path, group, max_failures=3,
+                                    restore=lambda: restores.append(1) or checkpoint)
+    # The first setup (the start) works; the restart from the checkpoint loses rank 0.
+    original = group.setup
+
+    def setup(resume=None):
+        if resume == b"state":
+            group.setup = original
+            raise ReformFailed([died(0)], dead=[0])
+        return original(resume)
+
+    group.setup = setup
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert restores == [1]
+    log = read(tmp_path / "events.jsonl")
+    recovered = next(e for e in log if e["event"] == "recovered")
+    assert recovered["attempts"] == 2 and recovered["failures"] == 2 and recovered["source_rank"] == 1
+    assert [c for c in group.calls if c[0] == "reform"] == [("reform", (0, 1)), ("reform", (0,))]
+
+
+def test_a_worker_lost_while_the_group_first_forms_is_recovered_from(tmp_path):
+    group = FailingGroup([Poll(rows(1, 2, 3), done=True, result=WEIGHTS)],
+                         [Reformed(step=0, nodes=NODES, source=0, replaced=[1])],
+                         restore_setup_fails=[ReformFailed([died(1, step=None)], dead=[1])])
+    controller, events = recovering(tmp_path, group, max_failures=1)
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert ("reform", (1,)) in group.calls
+    assert [e["event"] for e in read(tmp_path / "events.jsonl")][:3] == ["run_started", "worker_failed", "recovered"]

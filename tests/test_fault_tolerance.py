@@ -8,7 +8,9 @@ import torch
 
 import raytrainer
 from raytrainer.errors import ConfigError, TaskError, WorkerError
-from raytrainer.policy import Failure, FailurePolicy, FailuresExceeded
+from raytrainer.contract import Status
+from raytrainer.policy import (Failure, FailurePolicy, FailuresExceeded, blame, choose_source,
+                               keep_waiting_for_placement)
 
 from .conftest import assert_no_leaks
 
@@ -132,3 +134,27 @@ def test_policy_retries_a_worker_error_once_per_step_and_type():
     assert policy.decide(at(4, "KeyError: k")).recover  # another type
     decision = policy.decide(at(4, "ValueError: other text"))
     assert not decision.recover and decision.error is error and "again at the same step" in decision.reason
+
+
+def test_blame_the_silent_then_those_in_their_own_code_never_those_waiting_in_a_collective():
+    waiting, working = Status(5, 40, "collective"), Status(5, 38, "user")
+    assert blame({0: waiting, 1: None, 2: working}) == [1]  # frozen: it does not answer
+    assert blame({0: waiting, 1: working, 2: Status(5, 40, "framework")}) == [1, 2]
+    assert blame({0: waiting, 2: Status(5, 41, "collective")}) == [0]  # all wait: the one behind
+    assert blame({0: waiting, 2: waiting}) == [0, 2]  # nothing tells them apart
+    assert blame({0: waiting, 2: Status(5, 41, "collective")}, recovering=True) == []  # they wait for the failed
+    assert blame({0: waiting, 1: None}, recovering=True) == [1]
+
+
+def test_the_state_comes_from_the_survivor_furthest_ahead():
+    assert choose_source({0: Status(4, 9, "framework"), 1: Status(5, 9, "framework", after_pending=True),
+                          2: Status(5, 9, "framework")}) == 2  # step 5 with its work done
+    assert choose_source({1: Status(5, 9, "framework"), 0: Status(5, 9, "framework")}) == 0
+
+
+def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold():
+    wait = lambda waited, placed, others: keep_waiting_for_placement(  # noqa: E731
+        waited, placed, others, min_workers=2, replace_timeout_s=10, placement_timeout_s=60)
+    assert wait(5, 0, 2) and not wait(11, 0, 2)  # enough others: give up after replace_timeout_s
+    assert wait(30, 0, 1) and wait(30, 0, 0) and not wait(30, 1, 1)  # below min_workers: keep waiting
+    assert not wait(61, 0, 0)  # ... up to placement_timeout_s

@@ -3,10 +3,11 @@ multi-node runs in test_multinode.py and test_slurm.py cover the passing side.""
 
 import pytest
 
+from raytrainer.contract import Node
 from raytrainer.errors import ConfigError
 from raytrainer.storage_check import check_shared_storage
 
-NODES = [{"node_id": "aaaa1111", "ip": "10.0.0.1"}, {"node_id": "bbbb2222", "ip": "10.0.0.2"}]
+NODES = [Node("10.0.0.1", node_id="aaaa1111"), Node("10.0.0.2", node_id="bbbb2222")]
 
 
 def test_workers_on_the_drivers_node_are_not_asked(tmp_path):

@@ -1,0 +1,77 @@
+"""Faults from outside, as a cluster produces them: a run trains in a thread while the test
+kills, freezes or removes what it runs on, by process id (from the run's events)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import raytrainer
+
+
+class Run:
+    """raytrainer.train(config) in a thread; `result()` waits for it (and raises its error)."""
+
+    def __init__(self, config, **kwargs):
+        self.run_dir = Path(config["run"]["storage"]) / config["run"]["name"]
+        self._result = self._error = None
+        self._thread = threading.Thread(target=self._main, args=(config,), kwargs=kwargs, daemon=True)
+        self._thread.start()
+
+    def _main(self, config, **kwargs):
+        try:
+            self._result = raytrainer.train(config, progress=False, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self._error = exc
+
+    def result(self, timeout: float = 300.0):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the run did not end within {timeout:g} s"
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def events(self) -> list[dict]:
+        return _read(self.run_dir / "events.jsonl")
+
+    def wait_for_step(self, step: int, timeout: float = 120.0) -> None:
+        """Until a training row at or after `step` is in metrics.jsonl."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(r["step"] >= step for r in _read(self.run_dir / "metrics.jsonl") if "loss" in r):
+                return
+            assert self._thread.is_alive(), "the run ended before the step"
+            time.sleep(0.05)
+        raise AssertionError(f"step {step} not reached within {timeout:g} s")
+
+    def pids(self) -> list[int]:
+        """The workers' process ids by rank, as of the newest group_formed or recovered event
+        ([] before the group formed)."""
+        return next((e["pids"] for e in reversed(self.events()) if "pids" in e), [])
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill(pid: int) -> None:
+    signal_pid(pid, signal.SIGKILL)
+
+
+def freeze(pid: int) -> None:
+    signal_pid(pid, signal.SIGSTOP)
+
+
+def _read(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]

@@ -1,0 +1,110 @@
+"""Failures as a cluster produces them, injected from outside at any moment: two workers
+killed close together (the second while the first recovery is under way), a worker
+frozen with SIGSTOP, kills and freezes at random moments inside a step, a kill while a
+checkpoint is being written. Each run recovers in memory and ends bit-identical to an
+undisturbed one."""
+
+import time
+
+import pytest
+import torch
+
+from .conftest import assert_no_leaks
+from .faults import Run, freeze, kill
+
+STEPS = 30
+
+
+def config(tmp_path, name, chaos=(), **args):
+    return {
+        # Dropout: a replaced rank must draw the random numbers the lost one would have.
+        "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.1, "sleep_s": 0.01, **args}},
+        "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
+        "scaling": {"num_workers": 3},
+        "failure": {"chaos": list(chaos), "step_timeout_s": 3, "max_failures": 6},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def of(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_local, tmp_path_factory):
+    run = Run(config(tmp_path_factory.mktemp("base"), "base"))
+    return weights(run.result().run_dir)
+
+
+def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
+    run = Run(config(tmp_path, "double"))
+    run.wait_for_step(5)
+    pids = run.pids()
+    kill(pids[1])
+    time.sleep(0.3)  # the first recovery is under way
+    kill(pids[2])
+    result = run.result()
+    assert_same(weights(result.run_dir), undisturbed)
+    failed, recovered = of(result.events, "worker_failed"), of(result.events, "recovered")
+    assert {f["rank"] for f in failed} == {1, 2} and all(f["kind"] == "died" for f in failed)
+    assert sum(r["attempts"] for r in recovered) == 2 and all(r["steps_lost"] <= 1 for r in recovered)
+    assert recovered[-1]["failures"] == 2
+    assert result.metrics["step"] == STEPS
+    assert_no_leaks()
+
+
+def test_a_frozen_worker_is_the_only_one_replaced(undisturbed, tmp_path):
+    run = Run(config(tmp_path, "frozen"))
+    run.wait_for_step(5)
+    frozen = run.pids()[1]
+    freeze(frozen)
+    result = run.result()
+    assert_same(weights(result.run_dir), undisturbed)
+    failed, recovered = of(result.events, "worker_failed"), of(result.events, "recovered")
+    assert [(f["kind"], f["rank"]) for f in failed] == [("hung", 1)]
+    assert "did not answer at all" in failed[0]["cause"]
+    assert len(recovered) == 1 and recovered[0]["replaced"] == [1] and recovered[0]["steps_lost"] <= 1
+    assert recovered[0]["source_rank"] in (0, 2) and frozen not in recovered[0]["pids"]
+    assert_no_leaks()
+
+
+def test_kills_and_a_freeze_at_random_moments_inside_steps(undisturbed, tmp_path):
+    chaos = [{"action": "kill", "step": 4, "rank": 0, "at": "random"},
+             {"action": "kill", "step": 11, "rank": 2, "at": "random"},
+             {"action": "freeze", "step": 18, "rank": 1, "at": "random"}]
+    result = Run(config(tmp_path, "random", chaos)).result()
+    assert_same(weights(result.run_dir), undisturbed)
+    failed = of(result.events, "worker_failed")
+    assert [(f["kind"], f["rank"]) for f in failed] == [("died", 0), ("died", 2), ("hung", 1)]
+    assert all(r["steps_lost"] <= 1 for r in of(result.events, "recovered"))
+    assert_no_leaks()
+
+
+def test_a_kill_while_rank_0_writes_a_checkpoint(undisturbed, tmp_path):
+    marker = tmp_path / "saving-"
+    cfg = config(tmp_path, "ckpt", saving_marker=str(marker))
+    cfg["checkpoint"] = {"every_n_steps": 10}
+    run = Run(cfg)
+    rank0 = None
+    deadline = time.monotonic() + 120
+    while rank0 is None and time.monotonic() < deadline:
+        rank0 = next((p for p in run.pids()[:1] if (tmp_path / f"saving-{p}").exists()), None)
+        time.sleep(0.02)
+    assert rank0 is not None, "rank 0 never wrote a checkpoint"
+    kill(rank0)  # inside its checkpoint write (taking the model's state takes a second)
+    result = run.result()
+    assert_same(weights(result.run_dir), undisturbed)
+    assert [f["rank"] for f in of(result.events, "worker_failed")] == [0]
+    committed = of(result.events, "checkpoint_committed")
+    on_disk = sorted(p.name for p in (result.run_dir / "checkpoints").iterdir())
+    assert on_disk == sorted(c["path"].rsplit("/", 1)[-1] for c in committed)[-2:]  # nothing half-written
+    assert committed[-1]["step"] == STEPS
+    assert_no_leaks()
