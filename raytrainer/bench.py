@@ -759,6 +759,9 @@ def _launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tr
     # Workers (spawned or Ray actors) must import this raytrainer, whatever else is installed.
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Each contender starts a Ray of its own (what the start-up figure measures), never one
+    # it finds running on the machine; the grow scenario names its cluster's address.
+    env["RAY_ADDRESS"] = "local"
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
            json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
     # Other work on the machine skews every figure: keep the load next to each run.
