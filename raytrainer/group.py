@@ -417,7 +417,11 @@ class RayWorkerGroup:
                 try:
                     placed[rank] = ray.get(ref)
                 except (RayActorError, RayTaskError):
-                    pass  # lost again (its node went too): treated as not placed
+                    # Lost before it started: sent to the node that was just lost, before Ray
+                    # knew it dead. Its slot is placed again elsewhere once there is room.
+                    ray.kill(self.actors[rank], no_restart=True)
+                    self.actors[rank] = self._actor(self.slots[rank])
+                    refs[self.actors[rank].node.remote()] = rank
             if not keep_waiting_for_placement(time.monotonic() - t0, len(placed), others,
                                               min_workers=scaling.min_workers,
                                               replace_timeout_s=scaling.replace_timeout_s,

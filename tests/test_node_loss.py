@@ -1,0 +1,65 @@
+"""A whole node lost with two of three workers on it (its raylet and every process on it
+gone at once, as when a VM dies): one recovery, from the survivor on the other node, onto
+a node that has room; the run ends bit-identical to an undisturbed one."""
+
+import pytest
+import torch
+
+from .conftest import assert_no_leaks
+from .faults import Run, kill
+from .ray_procs import local_cluster
+
+
+def config(tmp_path, name, slow_while=None):
+    args = {"dropout": 0.1, "sleep_s": 0.2, "slow_while": slow_while}
+    return {
+        "task": {"target": "tests.tasks:ElasticTask", "args": args},
+        "trainer": {"max_steps": 40, "global_batch_size": 48, "log_every_n_steps": 1},
+        "scaling": {"num_workers": 3, "placement": "PACK"},
+        "failure": {"step_timeout_s": 20, "max_failures": 2},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(0) as cluster:  # a head with no CPUs for workers, nodes added by the tests
+        yield cluster
+
+
+def test_a_node_with_two_workers_lost_is_one_recovery(cluster, tmp_path):
+    two = cluster.add_node(num_cpus=2)
+    one = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    base = Run(config(tmp_path, "base")).result()
+
+    slow = tmp_path / "slow"  # the run goes slowly while it exists
+    slow.touch()
+    run = Run(config(tmp_path, "lost", str(slow)))
+    run.wait_for_step(3)
+    raylet = two.all_processes["raylet"][0].process.pid
+    on_two = {rank: pid for rank, pid in enumerate(run.pids()) if parent(pid) == raylet}
+    assert len(on_two) == 2, "PACK puts two of the three workers on the 2-CPU node"
+    cluster.add_node(num_cpus=2)  # room for the replacements
+    # The node is lost with everything on it (its worker processes would outlive their
+    # raylet here for a while: they share this machine).
+    cluster.remove_node(two, allow_graceful=False)
+    for pid in on_two.values():
+        kill(pid)
+    run.wait_for_step(6)
+    slow.unlink()
+    result = run.result()
+
+    a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (base, result))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    failed = [e for e in result.events if e["event"] == "worker_failed"]
+    recovered = [e for e in result.events if e["event"] == "recovered"]
+    assert sorted(f["rank"] for f in failed) == sorted(on_two) and all(f["kind"] in ("died", "hung") for f in failed)
+    assert len(recovered) == 1 and recovered[0]["replaced"] == sorted(on_two) and recovered[0]["steps_lost"] <= 1
+    assert recovered[0]["source_rank"] not in on_two
+    assert_no_leaks()
