@@ -130,6 +130,7 @@ class BackgroundSink(Sink):
         self._cond = threading.Condition()
         self._rows_queued = 0
         self.rows_missed = 0  # dropped, failed, or never sent
+        self.rows_dropped = 0  # of those, dropped while it was max_rows behind
         self.failures = 0
         self._warned = False
         self._off: str | None = None  # why this logger is off for the run
@@ -145,6 +146,7 @@ class BackgroundSink(Sink):
             full = self._rows_queued >= self.max_rows
             if full:
                 self.rows_missed += 1
+                self.rows_dropped += 1
             else:
                 self._rows_queued += 1
                 self._queue.append(("write", row))
@@ -167,18 +169,21 @@ class BackgroundSink(Sink):
             self._put(("close",))
 
     def close(self) -> None:
-        """Waits for the logger to send what is queued and close, for close_timeout_s at most."""
+        """Waits for the logger to send what is queued and close, for close_timeout_s at most;
+        then says what it missed, if anything."""
         self.begin_close()
         self._thread.join(self.close_timeout_s)
         with self._cond:
-            if self._thread.is_alive():
+            late = self._thread.is_alive()
+            if late:
                 self._abandoned = True
                 self.rows_missed += self._rows_queued
-                self._report(f"did not finish within {self.close_timeout_s:g} s "
-                             f"(close_timeout_s); {self._rows_queued} rows were still queued")
-        if self.rows_missed and not self._off:
-            self._warn(f"logger {self.name} missed {self.rows_missed} metric rows "
-                       f"({self.failures} failed calls); every row is in metrics.jsonl")
+        if late or (self.rows_missed and not self._off):
+            why = [f"{self.failures} calls failed"] if self.failures else []
+            why += [f"{self.rows_dropped} rows were dropped while it was behind"] if self.rows_dropped else []
+            why += [f"it did not finish within {self.close_timeout_s:g} s (close_timeout_s)"] if late else []
+            self._warn(f"logger {self.name}: {'; '.join(why)}; it missed {self.rows_missed} metric rows, "
+                       "and every row is in metrics.jsonl")
 
     def _put(self, item: tuple[Any, ...]) -> None:
         with self._cond:
