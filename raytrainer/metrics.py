@@ -147,10 +147,9 @@ class BackgroundSink(Sink):
             if full:
                 self.rows_missed += 1
                 self.rows_dropped += 1
-            else:
+            else:  # its thread is woken by flush, once per batch of rows, not per row
                 self._rows_queued += 1
                 self._queue.append(("write", row))
-                self._cond.notify()
         if full:
             self._report(f"is {self.max_rows} rows behind; dropping rows until it catches up")
 
@@ -161,7 +160,10 @@ class BackgroundSink(Sink):
         self._put(("artifact", path, kind))
 
     def flush(self) -> None:
-        """Its thread flushes after each batch it takes from the queue."""
+        """Hands the rows written since the last flush to its thread (which flushes the
+        logger after each batch it takes)."""
+        with self._cond:
+            self._cond.notify()
 
     def begin_close(self) -> None:
         if not self._closing:
