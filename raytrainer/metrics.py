@@ -254,9 +254,10 @@ class BackgroundSink(Sink):
 
     def _report(self, what: str, force: bool = False) -> None:
         """The first problem of a logger is reported; later ones are counted for close."""
-        if self._warned and not force:
+        with self._cond:  # from its thread, or the driver's when rows are dropped
+            first, self._warned = not self._warned, True
+        if not (first or force):
             return
-        self._warned = True
         self._warn(f"logger {self.name} {what}; every row is in metrics.jsonl")
 
 
