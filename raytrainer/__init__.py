@@ -4,6 +4,7 @@ from .api import Result, train
 from .callbacks import Callback, RunContext
 from .config import Config, load_config
 from .errors import ConfigError, PlacementError, RaytrainerError, TaskError, WorkerError
+from .metrics import RunInfo, Sink
 from .task import Task
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "PlacementError",
     "RaytrainerError",
     "Result",
+    "RunInfo",
+    "Sink",
     "Task",
     "TaskError",
     "WorkerError",

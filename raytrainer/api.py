@@ -18,7 +18,8 @@ from .checkpoint import Checkpoints, Storage, load_checkpoint_dir
 from .config import Config, dump_config, load_config
 from .controller import Controller
 from .errors import ConfigError
-from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, TensorBoardSink
+from .loggers import build_loggers
+from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
 
 
 @dataclass
@@ -73,7 +74,7 @@ def _local_mirror(storage: Storage, name: str) -> Path:
     mirror = Path(tempfile.gettempdir()) / "raytrainer" / digest / name
     shutil.rmtree(mirror, ignore_errors=True)
     mirror.mkdir(parents=True)
-    for file in ("config.yaml", "metrics.jsonl", "events.jsonl"):  # a resumed run appends
+    for file in ("config.yaml", "metrics.jsonl", "events.jsonl", SinkStates.FILE):  # a resumed run appends
         if storage.exists(f"{name}/{file}"):
             (mirror / file).write_bytes(storage.read(f"{name}/{file}"))
     return mirror
@@ -121,6 +122,17 @@ def _warn(message: str) -> None:
     print(f"raytrainer: warning: {message}", file=sys.stderr)
 
 
+class _CheckpointArtifacts(Callback):
+    """Hands each committed checkpoint (on local storage) to the loggers, which upload it
+    where they are set to (log_checkpoints)."""
+
+    def __init__(self, hub: MetricsHub):
+        self.hub = hub
+
+    def on_checkpoint(self, ctx, path):
+        self.hub.artifact(Path(path), "checkpoint")
+
+
 class _UploadLogs(Callback):
     """Copies the driver's files to remote storage at each checkpoint and at the end."""
 
@@ -149,26 +161,31 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.yaml").exists():  # a resumed run keeps the config it began with
         (run_dir / "config.yaml").write_text(dump_config(config))
+    own_callbacks = Callbacks.build(config.callbacks, on_driver=True).callbacks  # config errors first,
+    loggers = build_loggers(config.loggers, warn=_warn)  # then nothing started yet needs stopping
     events = EventLog(run_dir / "events.jsonl")
     bar = ProgressBar() if progress else None
-    sinks = [JsonlWriter(run_dir / "metrics.jsonl"), TensorBoardSink(run_dir)] + ([bar] if bar else [])
-    hub = MetricsHub(sinks)
-    # The shared-storage check applies to a local run.storage; remote storage is
-    # reached by every worker through its URI.
-    group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow,
-                           run_dir=run_dir if storage.local else None)
+    sinks = [JsonlWriter(run_dir / "metrics.jsonl")] + ([bar] if bar else []) + loggers
+    hub = MetricsHub(sinks, RunInfo(run_dir, config.run.name, config.to_dict(), resumed=resume is not None,
+                                    states=SinkStates(run_dir)))
+    events.listeners.append(hub.event)
     upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
-    driver_callbacks = Callbacks(Callbacks.build(config.callbacks, on_driver=True).callbacks + callbacks
-                                 + ([upload] if upload else []))
-    controller = Controller(group, config.scaling.min_workers, hub, events, progress=bar,
-                            callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
-                            failure=config.failure, restore=lambda: _latest(config, storage),
-                            max_workers=config.scaling.max_workers)
     try:
+        # The shared-storage check applies to a local run.storage; remote storage is
+        # reached by every worker through its URI.
+        group = RayWorkerGroup(config, use_gpu, cluster_can_grow=cluster_can_grow,
+                               run_dir=run_dir if storage.local else None)
+        driver_callbacks = Callbacks(own_callbacks + callbacks + ([upload] if upload else [])
+                                     + ([_CheckpointArtifacts(hub)] if storage.local else []))
+        controller = Controller(group, config.scaling.min_workers, hub, events, progress=bar,
+                                callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
+                                failure=config.failure, restore=lambda: _latest(config, storage),
+                                max_workers=config.scaling.max_workers)
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
         tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch
         os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
+        hub.artifact(run_dir / "model.pt", "model")
     finally:
         hub.close()
         events.close()

@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .task import import_object
 
 HOOKS = ("on_run_start", "on_epoch_start", "on_epoch_end", "on_validation_end",
-         "on_checkpoint", "on_run_end")
+         "on_checkpoint", "on_run_end", "on_metrics")
 
 
 class Callback:
@@ -30,6 +30,8 @@ class Callback:
     def on_validation_end(self, ctx, metrics: dict[str, float]) -> None: ...
     def on_checkpoint(self, ctx, path: str) -> None: ...
     def on_run_end(self, ctx) -> None: ...
+    def on_metrics(self, ctx, row: dict[str, Any]) -> None:
+        """Driver only: every metric row, as metrics.jsonl gets it (training and validation)."""
 
 
 @dataclass

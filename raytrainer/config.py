@@ -302,6 +302,61 @@ class RunConfig:
             )
 
 
+LOGGER_KEYS = {
+    "tensorboard": ("type", "close_timeout_s"),
+    "mlflow": ("type", "tracking_uri", "experiment", "run_name", "log_checkpoints", "close_timeout_s"),
+    "wandb": ("type", "project", "entity", "run_name", "mode", "log_checkpoints", "close_timeout_s"),
+    None: ("target", "args", "close_timeout_s"),  # a user's own sink
+}
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    """An experiment tracker the driver sends the run to (metric rows, the config, lifecycle
+    events, model.pt): a built-in `type`, or a user's own sink class (`target`, `args`).
+    Each runs on its own thread, so a slow or failed one never holds training up."""
+
+    type: Literal["tensorboard", "mlflow", "wandb"] | None = None
+    target: str | None = None
+    """A user's sink, `package.module:ClassName` (see raytrainer.Sink), built with `args`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    tracking_uri: str | None = None
+    """mlflow: the tracking server (or store) URI; default $MLFLOW_TRACKING_URI, else MLflow's."""
+    experiment: str | None = None
+    """mlflow: experiment name, created if missing; default $MLFLOW_EXPERIMENT_NAME, else
+    MLflow's Default experiment."""
+    project: str | None = None
+    """wandb: default $WANDB_PROJECT, else W&B's."""
+    entity: str | None = None
+    """wandb: user or team; default W&B's."""
+    mode: Literal["online", "offline"] | None = None
+    """wandb: default $WANDB_MODE, else online. Offline runs are uploaded by `wandb sync`."""
+    run_name: str | None = None
+    """mlflow, wandb: the tracker's run name; default run.name."""
+    log_checkpoints: bool = False
+    """mlflow, wandb: upload every committed checkpoint too (model.pt always is)."""
+    close_timeout_s: float = 60.0
+    """How long the end of the run waits for this logger to send what it has left."""
+
+    def __post_init__(self):
+        if (self.type is None) == (self.target is None):
+            raise ConfigError(
+                "type/target: give exactly one: type (one of 'tensorboard', 'mlflow', 'wandb') "
+                "or target (your own sink, 'package.module:ClassName')"
+            )
+        if self.target is not None:
+            Component(target=self.target)  # the same import-path check as callbacks
+        allowed = LOGGER_KEYS[self.type]
+        for f in dataclasses.fields(self):
+            given = getattr(self, f.name) != (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                                              else f.default)
+            if given and f.name not in allowed:
+                kind = f"type {self.type!r}" if self.type else "a target sink"
+                raise ConfigError(f"{f.name} does not apply to {kind}; its keys: {', '.join(allowed)}")
+        if self.close_timeout_s <= 0:
+            raise ConfigError(f"close_timeout_s={self.close_timeout_s} must be > 0")
+
+
 @dataclass(kw_only=True)
 class Config:
     task: Component
@@ -313,6 +368,9 @@ class Config:
     callbacks: list[Component] = field(default_factory=list)
     """raytrainer.Callback classes; each runs on every worker, or on the driver when its
     class sets on_driver = True."""
+    loggers: list[LoggerConfig] = field(default_factory=lambda: [LoggerConfig(type="tensorboard")])
+    """Where the driver sends the run besides metrics.jsonl: TensorBoard, MLflow, W&B, or
+    a user's sink. [] for none."""
 
     def __post_init__(self):
         batch, workers = self.trainer.global_batch_size, self.scaling.max_workers
@@ -424,7 +482,7 @@ def _build(cls: type, data: Any, prefix: str):
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        if cls is Component:  # used in several places: its messages need the key
+        if cls in (Component, LoggerConfig):  # used in lists: their messages need the key
             raise ConfigError(f"{prefix}.{exc}") from None
         raise
 

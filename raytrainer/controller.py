@@ -361,6 +361,7 @@ class Controller:
                 self.callbacks("on_epoch_start", self.ctx)
             self.ctx.step = row["step"]
             self.ctx.metrics.update(row)
+            self.callbacks("on_metrics", self.ctx, row)
             val = {k: v for k, v in row.items() if k.startswith("val_")}
             if val:
                 self.callbacks("on_validation_end", self.ctx, val)

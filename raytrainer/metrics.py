@@ -1,19 +1,267 @@
-"""Driver-side metric sinks: progress line, metrics.jsonl, events.jsonl, TensorBoard.
+"""Driver-side metric sinks: progress line, metrics.jsonl, events.jsonl, and the loggers
+(TensorBoard, MLflow, W&B, a user's own).
 
 Workers never print or write these; they ship rows (already reduced over ranks)
-and the driver alone fans them out here.
+and the driver alone fans them out here. Every sink follows one small protocol,
+`Sink`. metrics.jsonl and events.jsonl are written on the driver's thread and are
+the record; the loggers each run behind a `BackgroundSink`, so a slow or failing
+tracker never holds the driver's poll loop up.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import math
+import os
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
-class JsonlWriter:
+
+class Sink:
+    """Where the driver sends a run: its metric rows, its lifecycle events and the files
+    worth keeping. Subclass it, override what you need, and list the class under
+    `loggers:` as `{target: package.module:Class, args: {...}}`. The driver calls, in
+    order: open once, then write, event and artifact as the run goes (flush after each
+    batch of them), and close once at the end."""
+
+    def open(self, run: RunInfo) -> None:
+        """Before anything else: the run directory, the resolved config, and where to keep
+        what a resumed run needs to continue this sink's run (`run.remember`)."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One metric row as in metrics.jsonl: `step`, `epoch`, `time`, `world_size` and the
+        metrics (`val_*` in a validation row)."""
+
+    def event(self, record: dict[str, Any]) -> None:
+        """One lifecycle event as in events.jsonl: `event`, `time`, `step` and its fields."""
+
+    def artifact(self, path: Path, kind: str) -> None:
+        """A file or directory of the run: kind "model" (model.pt, at the end) or
+        "checkpoint" (a committed checkpoint directory, on local storage)."""
+
+    def flush(self) -> None:
+        """Send what write and event buffered."""
+
+    def close(self) -> None:
+        """The run is over (`finished` or `failed` was the last event)."""
+
+
+@dataclass
+class RunInfo:
+    """What a sink is told when it opens."""
+
+    run_dir: Path
+    name: str
+    """run.name."""
+    config: dict[str, Any]
+    """The resolved config, as in config.yaml."""
+    resumed: bool = False
+    """The run continues from a checkpoint."""
+    states: SinkStates | None = None
+
+    def saved(self, key: str) -> dict[str, Any]:
+        """What a sink remembered under `key` in an earlier attempt of this run ({} if none)."""
+        return self.states.get(key) if self.states else {}
+
+    def remember(self, key: str, state: dict[str, Any]) -> None:
+        """Keep `state` (JSON) in the run directory, for a resumed run's sink to continue from."""
+        if self.states:
+            self.states.put(key, state)
+
+
+class SinkStates:
+    """`loggers.json` in the run directory: what each logger needs to continue its run when
+    the run resumes (an MLflow or W&B run id), by a key the logger chooses."""
+
+    FILE = "loggers.json"
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / self.FILE
+        self._lock = threading.Lock()
+        try:
+            self._states = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self._states = {}
+
+    def get(self, key: str) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._states.get(key, {}))
+
+    def put(self, key: str, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._states[key] = state
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self._states, indent=1))
+            os.replace(tmp, self.path)
+
+
+class _NotFromLoggerThreads(logging.Filter):
+    """urllib3 logs a warning at every retry of a request; on a logger's thread, where a server
+    that is down fails every request, the logger's own report says it once instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.threadName.startswith(BackgroundSink.THREAD_PREFIX)
+
+
+class BackgroundSink(Sink):
+    """Runs a logger on its own thread. The driver's poll loop shares the CPUs with the
+    workers and must never wait on a tracking server: every call only queues. Rows beyond
+    `max_rows` waiting are dropped (and counted); the first failure is reported, naming
+    the logger, and it goes on with the next rows (a server may come back), unless `open`
+    failed, which turns it off for the run; close waits at most `close_timeout_s`. Whatever
+    it missed is in metrics.jsonl, and close reports how much."""
+
+    THREAD_PREFIX = "raytrainer-logger"
+
+    def __init__(self, sink: Any, name: str, *, warn: Callable[[str], None], max_rows: int = 10_000,
+                 close_timeout_s: float = 60.0, batch_rows: int = 1000):
+        retries = logging.getLogger("urllib3.connectionpool")
+        if not any(isinstance(f, _NotFromLoggerThreads) for f in retries.filters):
+            retries.addFilter(_NotFromLoggerThreads())
+        self.sink, self.name, self._warn = sink, name, warn
+        self.max_rows, self.close_timeout_s, self.batch_rows = max_rows, close_timeout_s, batch_rows
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._cond = threading.Condition()
+        self._rows_queued = 0
+        self.rows_missed = 0  # dropped, failed, or never sent
+        self.rows_dropped = 0  # of those, dropped while it was max_rows behind
+        self.failures = 0
+        self._warned = False
+        self._off: str | None = None  # why this logger is off for the run
+        self._closing = self._abandoned = False
+        self._thread = threading.Thread(target=self._run, name=f"{self.THREAD_PREFIX} {name}", daemon=True)
+        self._thread.start()
+
+    def open(self, run: RunInfo) -> None:
+        self._put(("open", run))
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self._cond:
+            full = self._rows_queued >= self.max_rows
+            if full:
+                self.rows_missed += 1
+                self.rows_dropped += 1
+            else:  # its thread is woken by flush, once per batch of rows, not per row
+                self._rows_queued += 1
+                self._queue.append(("write", row))
+        if full:
+            self._report(f"is {self.max_rows} rows behind; dropping rows until it catches up")
+
+    def event(self, record: dict[str, Any]) -> None:
+        self._put(("event", record))
+
+    def artifact(self, path: Path, kind: str) -> None:
+        self._put(("artifact", path, kind))
+
+    def flush(self) -> None:
+        """Hands the rows written since the last flush to its thread (which flushes the
+        logger after each batch it takes)."""
+        with self._cond:
+            self._cond.notify()
+
+    def begin_close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._put(("close",))
+
+    def close(self) -> None:
+        """Waits for the logger to send what is queued and close, for close_timeout_s at most;
+        then says what it missed, if anything."""
+        self.begin_close()
+        self._thread.join(self.close_timeout_s)
+        with self._cond:
+            late = self._thread.is_alive()
+            if late:
+                self._abandoned = True
+                self.rows_missed += self._rows_queued
+        if late or (self.rows_missed and not self._off):
+            why = [f"{self.failures} calls failed"] if self.failures else []
+            why += [f"{self.rows_dropped} rows were dropped while it was behind"] if self.rows_dropped else []
+            why += [f"it did not finish within {self.close_timeout_s:g} s (close_timeout_s)"] if late else []
+            self._warn(f"logger {self.name}: {'; '.join(why)}; it missed {self.rows_missed} metric rows, "
+                       "and every row is in metrics.jsonl")
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        with self._cond:
+            self._queue.append(item)
+            self._cond.notify()
+
+    def _take(self) -> list[tuple[Any, ...]]:
+        with self._cond:
+            while not self._queue:
+                self._cond.wait()
+            batch, rows = [], 0
+            while self._queue and rows < self.batch_rows:
+                batch.append(self._queue.popleft())
+                rows += batch[-1][0] == "write"
+            self._rows_queued -= rows
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if self._abandoned:
+                return
+            sent = 0  # rows written since the last flush
+            for method, *args in batch:
+                if self._abandoned:
+                    return
+                if method == "close":
+                    self._flush(sent)
+                    self._call("close")
+                    return
+                if self._off:
+                    self._missed(method == "write")
+                elif self._call(method, *args):
+                    sent += method == "write"
+                elif method == "open":
+                    self._off = "could not start"
+                else:
+                    self._missed(method == "write")
+            self._flush(sent)
+
+    def _flush(self, sent: int) -> None:
+        if not self._off and not self._call("flush"):
+            self._missed(sent)
+
+    def _missed(self, rows: int) -> None:
+        with self._cond:
+            self.rows_missed += rows
+
+    def _call(self, method: str, *args: Any) -> bool:
+        fn = getattr(self.sink, method, None)  # a user's sink need not have every method
+        try:
+            if fn is not None:
+                fn(*args)
+            return True
+        except Exception as exc:  # a logger's failure never reaches training
+            self.failures += 1
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())
+            if len(text) > 500:
+                text = text[:500] + " ..."
+            if method == "open":
+                self._report(f"could not start ({text}); it is off for this run", force=True)
+            else:
+                self._report(f"failed in {method} ({text}); training goes on, and the logger "
+                             "with the next rows")
+            return False
+
+    def _report(self, what: str, force: bool = False) -> None:
+        """The first problem of a logger is reported; later ones are counted for close."""
+        with self._cond:  # from its thread, or the driver's when rows are dropped
+            first, self._warned = not self._warned, True
+        if not (first or force):
+            return
+        self._warn(f"logger {self.name} {what}; every row is in metrics.jsonl")
+
+
+class JsonlWriter(Sink):
     """Append-only JSON lines, flushed per write so a crash loses nothing written."""
 
     def __init__(self, path: Path):
@@ -32,19 +280,25 @@ class EventLog(JsonlWriter):
     def __init__(self, path: Path):
         super().__init__(path)
         self.events: list[dict[str, Any]] = []
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # e.g. MetricsHub.event
 
     def log(self, event: str, step: int | None = None, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "time": time.time(), "step": step, **fields}
         self.events.append(record)
         self.write(record)
+        for listener in self.listeners:
+            listener(record)
         return record
 
 
-class TensorBoardSink:
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
+class TensorBoardSink(Sink):
+    def __init__(self, logdir: Path | None = None):
+        self.logdir = logdir  # default: the run directory
         self._writer = None
         self._summary = None  # tensorboardX's Summary protobuf class, once it is imported
+
+    def open(self, run: RunInfo) -> None:
+        self.logdir = self.logdir or run.run_dir
 
     def write(self, row: dict[str, Any]) -> None:
         if self._writer is None:
@@ -77,7 +331,7 @@ def _tb_name(key: str) -> str:
     return "train/" + key
 
 
-class ProgressBar:
+class ProgressBar(Sink):
     """One status line: step, epoch, loss, samples/s. Redrawn in place on a terminal,
     printed every few seconds otherwise (logs, CI)."""
 
@@ -122,12 +376,16 @@ class ProgressBar:
 
 
 class MetricsHub:
-    """Fans rows out to the sinks; keeps the history and the latest value of each metric."""
+    """Fans rows, events and artifacts out to the sinks; keeps the history and the latest
+    value of each metric."""
 
-    def __init__(self, sinks: list[Any]):
+    def __init__(self, sinks: list[Any], run: RunInfo | None = None):
         self.sinks = sinks
         self.history: list[dict[str, Any]] = []
         self.latest: dict[str, Any] = {}
+        if run is not None:
+            for sink in sinks:
+                sink.open(run)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -135,7 +393,24 @@ class MetricsHub:
             self.latest.update(row)
             for sink in self.sinks:
                 sink.write(row)
+        self.flush()
+
+    def event(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.event(record)
+        self.flush()
+
+    def artifact(self, path: Path, kind: str) -> None:
+        for sink in self.sinks:
+            sink.artifact(path, kind)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
+        for sink in self.sinks:  # every logger sends its rest at once, then each is waited for
+            if isinstance(sink, BackgroundSink):
+                sink.begin_close()
         for sink in self.sinks:
             sink.close()

@@ -175,3 +175,60 @@ class ElasticTask(RegressionTask):
             time.sleep(self.sleep_s)
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
 
+
+class RecordingSink:
+    """A user's logger (duck-typed, no base class): appends what it is given to a JSON-lines file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def _log(self, **record):
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def open(self, run):
+        self._log(call="open", run_dir=str(run.run_dir), name=run.name, resumed=run.resumed)
+
+    def write(self, row):
+        self._log(call="write", row=row)
+
+    def event(self, record):
+        self._log(call="event", event=record["event"])
+
+    def artifact(self, path, kind):
+        self._log(call="artifact", path=str(path), kind=kind)
+
+    def close(self):
+        self._log(call="close")
+
+
+class StopServer:
+    """A driver callback that SIGKILLs a server's process group once a given step's row
+    arrives, and returns once its port refuses connections: the tracking server goes away
+    mid-run, at a known step."""
+
+    on_driver = True
+
+    def __init__(self, pgid, port, step):
+        self.pgid, self.port, self.step, self.done = pgid, port, step, False
+
+    def on_metrics(self, ctx, row):
+        import os
+        import signal
+        import socket
+        import time
+
+        if self.done or row["step"] < self.step:
+            return
+        self.done = True
+        os.killpg(self.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            except OSError:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the server on port {self.port} still answers")

@@ -1,4 +1,5 @@
 import pytest
+import yaml
 
 from raytrainer.config import load_config
 from raytrainer.errors import ConfigError
@@ -50,6 +51,17 @@ def test_yaml_file_and_overrides(tmp_path):
     (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0", "resume needs"]),
     (["checkpoint.asynch=true"], ["checkpoint.asynch", "async"]),
     (["noequals"], ["section.key=value"]),
+    (["loggers=[{type: neptune}]"], ["loggers[0].type", "'tensorboard'", "'mlflow'", "'wandb'"]),
+    (["loggers=[{type: mlflow}, {type: wandb, tracking_uri: x}]"],
+     ["loggers[1].tracking_uri does not apply to type 'wandb'", "project", "mode"]),
+    (["loggers=[{type: wandb, mode: shared}]"], ["loggers[0].mode", "'online'", "'offline'"]),
+    (["loggers=[{args: {a: 1}}]"], ["loggers[0].type/target", "exactly one"]),
+    (["loggers=[{type: mlflow, target: a.b:C}]"], ["loggers[0].type/target", "exactly one"]),
+    (["loggers=[{target: nocolon}]"], ["loggers[0].target", "package.module:ClassName"]),
+    (["loggers=[{type: tensorboard, experiment: x}]"], ["loggers[0].experiment", "type 'tensorboard'"]),
+    (["loggers=[{type: mlflow, tracking_url: x}]"], ["loggers[0].tracking_url", "tracking_uri"]),
+    (["loggers=[{type: mlflow, close_timeout_s: 0}]"], ["loggers[0].close_timeout_s", "> 0"]),
+    (["loggers={type: mlflow}"], ["loggers", "list"]),
 ])
 def test_bad_values_name_the_key(overrides, words):
     with pytest.raises(ConfigError) as info:
@@ -82,3 +94,20 @@ def test_missing_file_and_missing_section(tmp_path):
 def test_overrides_do_not_touch_the_input():
     load_config(BASE, ["trainer.max_epochs=9"])
     assert BASE["trainer"]["max_epochs"] == 2
+
+
+def test_loggers_default_to_tensorboard_and_take_each_kind():
+    assert [lg.type for lg in load_config(BASE).loggers] == ["tensorboard"]
+    assert load_config(BASE, ["loggers=[]"]).loggers == []
+    cfg = load_config(BASE, ["loggers=[{type: mlflow, tracking_uri: 'http://127.0.0.1:5000', experiment: e, "
+                             "run_name: r, log_checkpoints: true}, {type: wandb, project: p, mode: offline}, "
+                             "{type: tensorboard}, {target: 'tests.tasks:RecordingSink', args: {path: x}}]"])
+    mlflow, wandb, tensorboard, mine = cfg.loggers
+    assert (mlflow.tracking_uri, mlflow.experiment, mlflow.run_name, mlflow.log_checkpoints) == (
+        "http://127.0.0.1:5000", "e", "r", True)
+    assert (wandb.project, wandb.mode, wandb.close_timeout_s) == ("p", "offline", 60.0)
+    assert (mine.target, mine.args) == ("tests.tasks:RecordingSink", {"path": "x"})
+    # config.yaml round-trips (a resume reads it back)
+    from raytrainer.config import dump_config
+
+    assert load_config(yaml.safe_load(dump_config(cfg))).loggers == cfg.loggers

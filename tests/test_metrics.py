@@ -1,12 +1,15 @@
-"""The TensorBoard file holds every numeric metric of every row, at its step."""
+"""The TensorBoard file holds every numeric metric of every row, at its step; a logger on
+its own thread never holds the driver up, and says once what went wrong."""
 
+import json
 import struct
+import threading
 
 import pytest
 
 from tensorboardX.proto.event_pb2 import Event
 
-from raytrainer.metrics import TensorBoardSink
+from raytrainer.metrics import BackgroundSink, MetricsHub, RunInfo, SinkStates, TensorBoardSink
 
 
 def read_events(path):
@@ -32,3 +35,97 @@ def test_tensorboard_gets_every_scalar_of_every_row(tmp_path):
         (1, "run/epoch"): 0.0, (1, "train/loss"): 0.5, (1, "run/lr"): 0.1,
         (2, "run/epoch"): 0.0, (2, "train/loss"): 0.25, (2, "val/loss"): 0.75,
     })
+
+
+class Sink:
+    """A logger for the BackgroundSink tests: records its calls; `fail` names the rows whose
+    write raises; `hold` (an Event) keeps open() waiting until it is set."""
+
+    def __init__(self, fail=(), fail_open=False, hold=None):
+        self.calls, self.fail, self.fail_open, self.hold = [], set(fail), fail_open, hold
+        self.opened = threading.Event()
+
+    def open(self, run):
+        self.opened.set()
+        if self.hold is not None:
+            self.hold.wait()
+        if self.fail_open:
+            raise ConnectionError("tracking server down")
+        self.calls.append("open")
+
+    def write(self, row):
+        if row["step"] in self.fail:
+            raise ConnectionError(f"lost row {row['step']}")
+        self.calls.append(row["step"])
+
+    def close(self):
+        self.calls.append("close")
+
+
+def rows(steps):
+    return [{"step": s, "epoch": 0, "loss": 1.0 / s} for s in steps]
+
+
+def test_a_failing_logger_is_reported_once_and_keeps_getting_rows(tmp_path):
+    sink, warned = Sink(fail={2, 3}), []
+    hub = MetricsHub([BackgroundSink(sink, "flaky", warn=warned.append)], RunInfo(tmp_path, "run", {}))
+    for step in range(1, 6):
+        hub.write(rows([step]))
+    hub.close()
+    assert sink.calls == ["open", 1, 4, 5, "close"]
+    assert len(warned) == 2, warned  # when it first fails, and what it missed at the end
+    assert warned[0].startswith("logger flaky failed in write (ConnectionError: lost row 2)")
+    assert "2 calls failed" in warned[1] and "missed 2 metric rows" in warned[1]
+
+
+def test_a_logger_that_cannot_start_is_off_and_says_so_once(tmp_path):
+    sink, warned = Sink(fail_open=True), []
+    hub = MetricsHub([BackgroundSink(sink, "down", warn=warned.append)], RunInfo(tmp_path, "run", {}))
+    hub.write(rows(range(1, 4)))
+    hub.close()
+    assert sink.calls == ["close"]  # no row reached it
+    assert len(warned) == 1 and "logger down could not start (ConnectionError: tracking server down)" in warned[0]
+
+
+def test_a_stuck_logger_never_holds_the_driver_up(tmp_path):
+    """A logger that hangs (a server that never answers): the driver's writes only queue,
+    rows beyond the bound are dropped and counted, and close gives up after its timeout."""
+    release, warned = threading.Event(), []
+    sink = Sink(hold=release)
+    logger = BackgroundSink(sink, "stuck", warn=warned.append, max_rows=3, close_timeout_s=0.2)
+    hub = MetricsHub([logger], RunInfo(tmp_path, "run", {}))
+    sink.opened.wait()  # its thread is inside open() now, and stays there
+    hub.write(rows(range(1, 11)))  # returns: were it to wait for the logger, the test would hang here
+    assert (logger.rows_dropped, logger.rows_missed) == (7, 7)
+    hub.close()
+    release.set()
+    assert logger.rows_missed == 10
+    assert warned[0] == "logger stuck is 3 rows behind; dropping rows until it catches up; every row is in metrics.jsonl"
+    assert "7 rows were dropped" in warned[1] and "did not finish within 0.2 s (close_timeout_s)" in warned[1]
+    assert "missed 10 metric rows" in warned[1] and len(warned) == 2
+
+
+def test_a_users_logger_needs_only_the_methods_it_uses(tmp_path):
+    class WriteOnly:
+        def __init__(self):
+            self.rows = []
+
+        def write(self, row):
+            self.rows.append(row)
+
+    sink, warned = WriteOnly(), []
+    hub = MetricsHub([BackgroundSink(sink, "mine", warn=warned.append)], RunInfo(tmp_path, "run", {}))
+    hub.write(rows([1, 2]))
+    hub.event({"event": "finished", "step": 2, "time": 0.0})
+    hub.artifact(tmp_path / "model.pt", "model")
+    hub.close()
+    assert sink.rows == rows([1, 2]) and warned == []
+
+
+def test_sink_states_keep_what_a_resumed_run_continues_from(tmp_path):
+    SinkStates(tmp_path).put("mlflow http://x", {"run_id": "abc"})
+    info = RunInfo(tmp_path, "run", {}, resumed=True, states=SinkStates(tmp_path))
+    assert info.saved("mlflow http://x") == {"run_id": "abc"} and info.saved("wandb /p") == {}
+    info.remember("wandb /p", {"id": "w1"})
+    assert json.loads((tmp_path / "loggers.json").read_text()) == {
+        "mlflow http://x": {"run_id": "abc"}, "wandb /p": {"id": "w1"}}
