@@ -17,6 +17,7 @@ from raytrainer.data import BatchPlan
 from raytrainer.errors import PlacementError
 
 from .conftest import assert_no_leaks
+from .faults import Run, kill
 from .ray_procs import local_cluster
 
 NUM_SAMPLES, BATCH, STEPS, SEED = 200, 16, 300, 0  # 16 does not split over 3: uneven shards
@@ -141,7 +142,21 @@ def test_grows_when_a_node_joins_and_shrinks_without_a_checkpoint_when_it_goes(c
     # worker was lost is lost with it (at most one step with log_every_n_steps=1).
     assert len(set(steps)) == len(steps) >= STEPS - 1
 
-    # Every sample of each epoch's kept batches exactly once, whatever the world size.
+    assert_every_sample_once(record)
+
+    # The same maths at 2, 3 and 2 workers: the weights of an undisturbed 2-worker run,
+    # up to float rounding (sums over ranks in another order, uneven shards at 3).
+    base = raytrainer.train(config(tmp_path, "base", {}), progress=False)
+    a = torch.load(run_dir / "model.pt", weights_only=True)
+    b = torch.load(base.run_dir / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert_no_leaks()
+
+
+def assert_every_sample_once(record):
+    """Every sample of each epoch's kept batches exactly once, whatever the world size."""
     final = final_attempts(record)
     assert sorted(final) == list(range(1, STEPS + 1))
     plan = BatchPlan(NUM_SAMPLES, BATCH, BATCH, 1, SEED)
@@ -155,14 +170,29 @@ def test_grows_when_a_node_joins_and_shrinks_without_a_checkpoint_when_it_goes(c
         steps = min(plan.steps_per_epoch, STEPS - epoch * plan.steps_per_epoch)
         assert len(seen) == len(set(seen)) == steps * BATCH
 
-    # The same maths at 2, 3 and 2 workers: the weights of an undisturbed 2-worker run,
-    # up to float rounding (sums over ranks in another order, uneven shards at 3).
-    base = raytrainer.train(config(tmp_path, "base", {}), progress=False)
-    a = torch.load(run_dir / "model.pt", weights_only=True)
-    b = torch.load(base.run_dir / "model.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+def test_a_worker_killed_while_the_group_grows(cluster, tmp_path):
+    """The state for the newcomer is being taken from a survivor when that survivor is
+    killed: one failure, and the group still forms at 3 from the other survivor."""
+    cfg, slow, record = growable(tmp_path, "growkill")
+    cfg["task"]["args"]["saving_marker"] = str(tmp_path / "saving-")
+    run = Run(cfg)
+    run.wait_for_step(2)
+    node = cluster.add_node(num_cpus=1)  # room for a third worker
+    taking = wait_for(lambda: sorted(tmp_path.glob("saving-*")), 60, "the grow to take a state")
+    source = int(taking[0].name.split("-")[1])
+    kill(source)  # while its state is being taken (that takes a second: see tasks.py)
+    wait_for(lambda: 3 in worlds(run.run_dir), 60, "steps at 3 workers")
+    slow.unlink()
+    result = run.result()
+    cluster.remove_node(node)
+    failed = [e for e in result.events if e["event"] == "worker_failed"]
+    recovered = [e for e in result.events if e["event"] == "recovered"]
+    assert [f["kind"] for f in failed] == ["died"] and source not in recovered[0]["pids"]
+    assert len(recovered) == 1 and recovered[0]["steps_lost"] == 0 and len(recovered[0]["pids"]) == 3
+    steps = [r["step"] for r in result.history if "loss" in r]
+    assert len(set(steps)) == len(steps) == STEPS and worlds(run.run_dir)[-1] == 3
+    assert_every_sample_once(record)
     assert_no_leaks()
 
 
