@@ -79,7 +79,7 @@ class Controller:
         self.result: Any = None
         self._train_step = 0  # the last training row recorded (rows re-sent after a recovery are dropped)
         self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (its progress, when it last moved)
-        self._status_at = self._reset_at = 0.0
+        self._status_at = self._reset_at = self._blocked_at = 0.0
         self._hung_now: list[Failure] = []
         self._gave_up: str | None = None
 
@@ -222,6 +222,7 @@ class Controller:
         # NCCL survivors wait in their collective until its timeout whatever happened to
         # the peer: abort their communicators so they stop now (a no-op on Gloo).
         self.group.abort([r for r in range(self.world) if r not in failed])
+        stopped_at: float | None = None  # when a survivor first stopped, holding its state
         while True:
             settled = set(failed) | set(finished) | set(self._paused)
             # A worker that raised still holds its connections (its DDP keeps the process
@@ -233,11 +234,39 @@ class Controller:
                     killed.add(rank)
             if len(settled) >= self.world:
                 return failed, finished, killed
+            if stopped_at is None and any(f.kind == "interrupted" for f in failed.values()):
+                stopped_at = time.monotonic()
+            if stopped_at is not None and time.monotonic() - stopped_at > self.UNBLOCK_AFTER_S:
+                for rank in self._blocked(exclude=settled):
+                    self.group.kill(rank)
+                    killed.add(rank)
+                    absorb([Failure(rank, "interrupted", "still waiting in a collective for peers that had "
+                                    "stopped (a Gloo collective cannot be aborted): killed to unblock it",
+                                    None, self._node_ip(rank))])
             poll = self._poll()
             finished.update(poll.finished)
             absorb(poll.failures)
             if self._hung(exclude=settled):
                 absorb(self._hung_now)
+
+    # After a survivor stopped with its state, how long the others get to stop before those
+    # still waiting in a collective are killed: a Gloo peer left waiting on a survivor that
+    # stopped (rather than on the lost worker, whose sockets closed) would wait for
+    # failure.collective_timeout_s, and neither abort() nor destroying the group on
+    # either side unblocks it (measured, torch 2.13). The state is in the stopped ones.
+    UNBLOCK_AFTER_S = 2.0
+
+    def _blocked(self, exclude: set[int]) -> list[int]:
+        """The workers (not in `exclude`) in a collective now, asked at most once a second."""
+        now = time.monotonic()
+        if now - self._blocked_at < 1.0:
+            return []
+        self._blocked_at = now
+        return [r for r, s in enumerate(self.group.status()) if r not in exclude and s is not None
+                and s.phase == "collective"]
+
+    def _node_ip(self, rank: int) -> str | None:
+        return self._nodes[rank].ip if rank < len(self._nodes) else None
 
     def _log_failures(self, failures: list[Failure]) -> None:
         for f in root_causes(failures):
@@ -324,7 +353,7 @@ class Controller:
             self._hung_now.append(Failure(
                 rank, "hung", f"no progress for {timeout:g} s (failure.step_timeout_s) "
                 f"{'in ' + status.phase + ' code ' if status else ''}after step {step}; {where}", step,
-                self._nodes[rank].ip if rank < len(self._nodes) else None))
+                self._node_ip(rank)))
         return True
 
     def _dump(self, rank: int, step: int) -> str:

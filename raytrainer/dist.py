@@ -59,11 +59,12 @@ FLIGHT_RECORDER_ENTRIES = 2000
 
 
 def leave_group(failed: bool = False) -> None:
-    """Leave the process group. After a failure an NCCL group is aborted, never destroyed:
-    destroying a communicator whose peer is gone can hang."""
+    """Leave the process group. After a failure the group is aborted, never destroyed:
+    destroying it blocks while a collective is pending, on NCCL when a peer is gone, and
+    on Gloo too while a peer still waits in a collective (measured, torch 2.13)."""
     if not dist.is_initialized():
         return
-    if failed and dist.get_backend() == "nccl":
+    if failed:
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
