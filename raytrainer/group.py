@@ -326,13 +326,10 @@ class RayWorkerGroup:
         if self._secured is not None and self._secured[0].position == at.position:
             return source, self._secured[1], at  # the same state: no second copy
         ref = self.actors[source].get_state.remote()
-        timeout = self.config.failure.collective_timeout_s
-        outcome = self._outcome(source, ref) if ray.wait([ref], timeout=timeout)[0] else Failure(
-            source, "hung", f"get_state did not return within failure.collective_timeout_s={timeout:g}",
-            at.step, self.nodes[source].ip)
-        if isinstance(outcome, Failure):
+        _, failures, _ = self._wait_answering({ref: source}, grace_s=0.0)
+        if failures:
             self.kill(source)
-            raise ReformFailed([outcome], [source])
+            raise ReformFailed(failures, [source])
         self._secured = (at, ref)
         return source, ref, at
 
@@ -354,28 +351,47 @@ class RayWorkerGroup:
                 refs[actor.setup.remote(rank, world, addr, port, self.use_gpu, state)] = rank
             else:
                 refs[actor.regroup.remote(rank, world, addr, port, state if take else None)] = rank
-        results: dict[int, Any] = {}
-        failures: list[Failure] = []
-        pending, deadline = list(refs), None
-        while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-            if not ready:
-                break  # the grace is over
-            rank = refs[ready[0]]
-            outcome = self._outcome(rank, ready[0])
-            if isinstance(outcome, Failure):
-                failures.append(outcome)
-                deadline = deadline or time.monotonic() + self.FORM_GRACE_S
-            else:
-                results[rank] = outcome
+        results, failures, pending = self._wait_answering(refs, grace_s=self.FORM_GRACE_S)
         if not failures:
             return results
-        stuck = sorted(refs[ref] for ref in pending)
+        stuck = sorted(pending)
         lost = sorted({f.rank for f in failures if f.kind != "interrupted"} | set(stuck))
         for rank in lost:
             self.kill(rank)
         raise ReformFailed(failures, lost)
+
+    def _wait_answering(self, refs: dict[Any, int], grace_s: float) -> tuple[dict[int, Any], list[Failure], list[int]]:
+        """Wait for the calls `refs` (ref -> rank) to return: their results and failures,
+        and the ranks still pending. After the first failure the others get `grace_s`. A
+        worker frozen meanwhile would hold the others (in a rendezvous, until
+        failure.collective_timeout_s) or this wait: one that has not answered its control
+        channel for step_timeout_s is hung."""
+        results: dict[int, Any] = {}
+        failures: list[Failure] = []
+        pending, deadline = list(refs), None
+        answered = {rank: time.monotonic() for rank in refs.values()}  # when each last answered
+        timeout_s = self.config.failure.step_timeout_s
+        while pending and (deadline is None or time.monotonic() < deadline):
+            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in ready:
+                outcome = self._outcome(refs[ref], ref)
+                if isinstance(outcome, Failure):
+                    failures.append(outcome)
+                    deadline = deadline or time.monotonic() + grace_s
+                else:
+                    results[refs[ref]] = outcome
+            if ready or timeout_s is None:
+                continue
+            waiting, now = [refs[ref] for ref in pending], time.monotonic()
+            for rank, status in zip(waiting, self._ask(waiting, "status", timeout=1.0)):
+                if status is not None:
+                    answered[rank] = now
+                elif now - answered[rank] > timeout_s and rank not in {f.rank for f in failures}:
+                    failures.append(Failure(rank, "hung", f"did not answer for {timeout_s:g} s "
+                                            "(failure.step_timeout_s) while the group re-formed", None,
+                                            self.nodes[rank].ip))
+                    deadline = deadline or now + grace_s
+        return results, failures, [refs[ref] for ref in pending]
 
     def _start_spare(self) -> None:
         if self._spare is None and self.config.failure.warm_spare and not self.use_gpu and self.slots:

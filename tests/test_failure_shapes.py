@@ -108,3 +108,24 @@ def test_a_kill_while_rank_0_writes_a_checkpoint(undisturbed, tmp_path):
     assert on_disk == sorted(c["path"].rsplit("/", 1)[-1] for c in committed)[-2:]  # nothing half-written
     assert committed[-1]["step"] == STEPS
     assert_no_leaks()
+
+
+def test_the_survivor_giving_its_state_freezes_while_the_group_re_forms(undisturbed, tmp_path):
+    run = Run(config(tmp_path, "source", saving_marker=str(tmp_path / "saving-")))
+    run.wait_for_step(5)
+    pids = run.pids()
+    kill(pids[1])
+    source = None
+    deadline = time.monotonic() + 60
+    while source is None and time.monotonic() < deadline:  # its state is being taken (a second)
+        source = next((p for p in (pids[0], pids[2]) if (tmp_path / f"saving-{p}").exists()), None)
+        time.sleep(0.02)
+    assert source is not None, "no survivor's state was taken"
+    freeze(source)
+    result = run.result()
+    assert_same(weights(result.run_dir), undisturbed)
+    failed, recovered = of(result.events, "worker_failed"), of(result.events, "recovered")
+    assert [(f["kind"], f["rank"]) for f in failed] == [("died", 1), ("hung", pids.index(source))]
+    assert len(recovered) == 1 and recovered[0]["attempts"] == 2 and recovered[0]["failures"] == 2
+    assert source not in recovered[0]["pids"] and recovered[0]["steps_lost"] <= 1
+    assert_no_leaks()
