@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from .config import Config
 from .contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Status
 from .errors import NoSurvivors, PeerFailure, PlacementError, RaytrainerError, WorkerError
-from .policy import choose_source, keep_waiting_for_placement
+from .policy import choose_state, keep_waiting_for_placement
 from .storage_check import check_shared_storage
 from .worker import Worker
 
@@ -316,15 +316,13 @@ class RayWorkerGroup:
     def _take_state(self, holders: dict[int, Status]) -> tuple[int | None, Any, Status]:
         """The state to continue from: the furthest survivor's, put in the object store
         (and kept there until the group has re-formed), else one secured earlier."""
-        if not holders:
+        source, take = choose_state(holders, self._secured[0] if self._secured else None)
+        if not take:
             if self._secured is None:
                 raise NoSurvivors("no worker survived")
             at, ref = self._secured
-            return None, ref, at
-        source = choose_source(holders)
+            return source, ref, at
         at = holders[source]
-        if self._secured is not None and self._secured[0].position == at.position:
-            return source, self._secured[1], at  # the same state: no second copy
         ref = self.actors[source].get_state.remote()
         _, failures, _ = self._wait_answering({ref: source}, grace_s=0.0)
         if failures:

@@ -14,7 +14,7 @@ from .contract import Failure, Status
 from .errors import RaytrainerError, WorkerError
 
 __all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "blame", "choose_source",
-           "keep_waiting_for_placement", "root_causes"]
+           "choose_state", "keep_waiting_for_placement", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,17 @@ def choose_source(statuses: dict[int, Status]) -> int:
     stopped where a peer failed under them, at most one step behind), the lowest rank
     among equals."""
     return max(sorted(statuses), key=lambda r: statuses[r].position)
+
+
+def choose_state(holders: dict[int, Status], kept: Status | None) -> tuple[int | None, bool]:
+    """Whose state a re-formed group continues from: (the survivor furthest ahead, or None
+    for none, and whether its state must be taken), given the survivors holding a state
+    and the position of the copy kept from an earlier attempt of this recovery, if any.
+    The kept copy serves when no survivor is further (its giver may be gone since)."""
+    source = choose_source(holders) if holders else None
+    if kept is not None and (source is None or kept.position >= holders[source].position):
+        return (source if source is not None and holders[source].position == kept.position else None), False
+    return source, source is not None
 
 
 def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min_workers: int,

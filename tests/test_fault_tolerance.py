@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import raytrainer
-from raytrainer.errors import ConfigError, TaskError, WorkerError
 from raytrainer.contract import Status
+from raytrainer.errors import ConfigError, TaskError, WorkerError
 from raytrainer.policy import (Failure, FailurePolicy, FailuresExceeded, blame, choose_source,
-                               keep_waiting_for_placement)
+                               choose_state, keep_waiting_for_placement)
 
 from .conftest import assert_no_leaks
 
@@ -154,6 +154,15 @@ def test_the_state_comes_from_the_survivor_furthest_ahead():
     assert choose_source({0: Status(4, 9, "framework"), 1: Status(5, 9, "framework", after_pending=True),
                           2: Status(5, 9, "framework")}) == 2  # step 5 with its work done
     assert choose_source({1: Status(5, 9, "framework"), 0: Status(5, 9, "framework")}) == 0
+
+
+def test_a_state_kept_from_an_earlier_attempt_serves_unless_a_survivor_is_further():
+    at5, at6 = Status(5, 9, "framework"), Status(6, 9, "framework")
+    assert choose_state({0: at5, 2: at6}, None) == (2, True)  # take the furthest survivor's
+    assert choose_state({0: at5, 2: at6}, at6) == (2, False)  # the kept copy is that state
+    assert choose_state({0: at5}, at6) == (None, False)  # its giver is gone: the kept copy
+    assert choose_state({0: at6}, at5) == (0, True)
+    assert choose_state({}, at5) == (None, False) and choose_state({}, None) == (None, False)
 
 
 def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold():
