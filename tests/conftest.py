@@ -37,3 +37,34 @@ def assert_no_leaks(timeout_s=10.0):
             return
         assert time.monotonic() < deadline, f"left behind: actors {list(alive)}, placement groups {pgs}"
         time.sleep(0.2)
+
+
+def loader_processes() -> list[str]:
+    """Live loader processes and fork servers started by this checkout's raytrainer, in
+    this process or in Ray workers: their command line names raytrainer.input (the fork
+    server's preload list, which the loader processes it forks inherit) and this checkout.
+    This process's own fork server, which multiprocessing keeps for the process's life,
+    is not counted; the loader processes it forked are."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if b"raytrainer.input" in cmdline and ROOT.encode() in cmdline and state != "Z":
+            if ppid != os.getpid():
+                found.append(f"{pid} (parent {ppid}): {cmdline[:80]!r}")
+    return found
+
+
+def assert_no_loader_processes(timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (left := loader_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"loader processes left running: {left}"
