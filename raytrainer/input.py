@@ -258,7 +258,7 @@ class MapInput:
         if not self.cfg.persistent_workers:
             self.close()
 
-    def state_dict(self) -> None:
+    def state_dict(self, step: int) -> None:
         return None  # the position is the loop's (epoch, position)
 
     def load_state_dict(self, state: Any, step: int) -> None:
@@ -372,13 +372,13 @@ class StreamInput:
     def reset(self) -> None:
         self.close()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, step: int) -> dict[str, Any]:
         return dict(self.segment)
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
-        if state is None:
-            raise ConfigError("the checkpoint was trained on a map-style dataset and this task's training "
-                              "dataset is a stream; resume with the task the checkpoint was trained with")
+        if state is None or "base" not in state:
+            raise ConfigError("the checkpoint was not trained on a stream (IterableDataset) and this task's training "
+                              "dataset is one; resume with the task the checkpoint was trained with")
         self.segment = dict(state)
         self._continue(step)
 

@@ -373,7 +373,7 @@ class Loop:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
-            "input": self.train_input.state_dict(),  # a stream's position (None: the loop's position)
+            "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
             "loop": {"step": self.step, "epoch": self.epoch, "position": self.position,
                      "skipped_steps": self.skipped_steps, "best": self._best,
                      "bad_validations": self._bad_validations, "after_pending": self._after_pending,

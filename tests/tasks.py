@@ -242,3 +242,35 @@ class BadInputTask(RegressionTask):
     def train_dataset(self):
         data = self._data(self.num_samples, 1)
         return Unpicklable(data) if self.kind == "unpicklable" else DyingLoader(data, at=3)
+
+
+def _regression_rows(batch, dim=4):
+    """Ray Data preprocessing (in Ray's tasks): row id -> features and target."""
+    import numpy as np
+
+    ids = batch["id"]
+    x = np.stack([np.sin(ids * (k + 1) * 0.37) for k in range(dim)], axis=1).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [0.0]], dtype=np.float32))
+    return {"x": x, "y": y, "id": ids}
+
+
+class RayDataTask(RegressionTask):
+    """RegressionTask on ray.data.range(rows) preprocessed by map_batches; records the row
+    ids each rank trains on under `record` (one line per micro-batch)."""
+
+    def __init__(self, rows=96, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def train_dataset(self):
+        import ray.data
+
+        return ray.data.range(self.rows, override_num_blocks=4).map_batches(_regression_rows, batch_format="numpy")
+
+    def train_step(self, model, batch):
+        if self.record:
+            import torch.distributed as dist
+
+            with open(f"{self.record}.{dist.get_rank()}", "a") as f:
+                f.write(" ".join(map(str, batch["id"].tolist())) + "\n")
+        return {"loss": torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])}

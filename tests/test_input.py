@@ -81,7 +81,7 @@ def stream_samples(world, steps, num_workers=0, *, sharded=False, start=None):
             stream.load_state_dict(start, steps[0])
         out[rank] = [i for step in steps for b in stream.batches(0, 0, step) for i in b[2].tolist()]
         stream.close()
-    return out, stream.state_dict()
+    return out, stream.state_dict(steps[-1] + 1)
 
 
 @pytest.mark.parametrize("num_workers, sharded", [(0, False), (2, False), (2, True)])
