@@ -73,6 +73,7 @@ class RayDataInput:
         skip = self._pass_rows(step)
         its = None
         if self.rank == 0:
+            _check_room(self.plan.world_size)
             its = self.dataset.streaming_split(self.plan.world_size, equal=True)
         if self.plan.world_size > 1 and dist.is_initialized():
             from ray import cloudpickle  # the iterators hold an actor handle: Ray's pickler
@@ -117,6 +118,21 @@ class RayDataInput:
 
     def close(self) -> None:
         self._rows, self._next_step, self._splits = None, None, None
+
+
+def _check_room(world_size: int) -> None:
+    """Ray Data's read and map tasks need CPU slots beside the training workers' own: on
+    a cluster the workers fill (2 workers on a 2-CPU machine) they would wait forever."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    held = world_size * ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+    if total - held < 1:
+        raise ConfigError(
+            f"the Ray Data training dataset needs CPUs for its read and map tasks, but the "
+            f"{world_size} training workers hold {held:g} of the cluster's {total:g}; give each "
+            "fewer (scaling.resources_per_worker: {CPU: 0.5}), use fewer workers, or add nodes"
+        )
 
 
 class _Rows:

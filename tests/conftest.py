@@ -48,20 +48,10 @@ def loader_processes() -> list[str]:
     server's preload list, which the loader processes it forks inherit) and this checkout.
     This process's own fork server, which multiprocessing keeps for the process's life,
     is not counted; the loader processes it forked are."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if b"raytrainer.input" in cmdline and ROOT.encode() in cmdline and state != "Z":
-            if ppid != os.getpid():
-                found.append(f"{pid} (parent {ppid}): {cmdline[:80]!r}")
-    return found
+    from .ray_procs import live_processes
+
+    return [f"{pid} (parent {ppid}): {cmdline[:80]!r}" for pid, ppid, cmdline in live_processes()
+            if b"raytrainer.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()]
 
 
 def assert_no_loader_processes(timeout_s=10.0):

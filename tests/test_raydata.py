@@ -58,3 +58,11 @@ def test_a_global_batch_that_does_not_split_evenly_is_a_config_error(ray_local, 
     with pytest.raises(ConfigError, match=r"global_batch_size=16 must be a multiple of the world size 3"):
         raytrainer.train(cfg, progress=False)
     assert_no_leaks()
+
+
+def test_workers_that_leave_ray_data_no_cpu_are_a_config_error_not_a_hang(ray_local, tmp_path):
+    cfg = config(tmp_path, "full", 2, tmp_path / "ids")
+    cfg["scaling"]["resources_per_worker"] = {"CPU": 2}  # 2 x 2 of the module's 4 CPUs
+    with pytest.raises(ConfigError, match=r"hold 4 of the cluster's 4.*resources_per_worker: \{CPU: 0.5\}"):
+        raytrainer.train(cfg, progress=False)
+    assert_no_leaks()
