@@ -19,6 +19,12 @@ The worker-SIGKILL figures come from separate kill runs (scenario "kill", Ray Tr
 and raytrainer only: raw DDP has no recovery), so the start-up and steps/s runs stay
 undisturbed; see _Killer for how the kill is delivered.
 
+The input figures (scenario "input") train on a dataset whose every sample costs I/O
+latency (a sleep) and some decoding CPU: raw DDP reads it with DataLoader(num_workers=k)
+and the BatchPlan's micro-batch index lists as its batch_sampler, raytrainer with
+`data.num_workers: k` (the same sampler, see input.py) and, in the same contender
+process before that, with `data.num_workers: 0` (each sample read in the training thread).
+
 The grow figure comes from a run on a local multi-node Ray (ray.cluster_utils: one
 1-CPU raylet per worker, on this machine) with max_workers one above --workers: a node
 is added once training runs, and the pause is the gap between rank 0's last step at
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -91,17 +98,31 @@ class BenchSpec:
     grow_steps: int = 2000
     """Optimizer steps of the grow run; paced at 20 ms a step or more until the group has
     grown (adding a node takes seconds), then free."""
-    scenarios: str = "train,kill,stall,grow"
+    input_steps: int = 150
+    """Optimizer steps of the input runs with loader processes (raw DDP and raytrainer)."""
+    input_steps_no_loaders: int = 40
+    """Optimizer steps of raytrainer's input run with data.num_workers 0 (each is slow)."""
+    input_workers: int = 4
+    """Loader processes per rank in the input runs (raw DDP's DataLoader num_workers too)."""
+    input_io_ms: float = 2.0
+    """I/O latency of one sample in the input runs (a sleep: no CPU)."""
+    input_decode_rounds: int = 4
+    """Decoding CPU of one sample: 64x64 matrix products (about 15 us each on a laptop core)."""
+    scenarios: str = "train,kill,stall,grow,input"
     """Which measurements to run: train (start-up, steps/s), kill (worker SIGKILL),
-    stall (checkpoint stall), grow (elastic grow by one worker); comma-separated."""
+    stall (checkpoint stall), grow (elastic grow by one worker), input (a slow dataset
+    through loader processes); comma-separated."""
 
     def __post_init__(self):
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
                     "steps", "ray_train_steps", "repetitions", "checkpoint_mb", "kill_steps", "kill_step",
-                    "kill_checkpoint_every", "grow_steps"):
+                    "kill_checkpoint_every", "grow_steps", "input_steps", "input_steps_no_loaders",
+                    "input_workers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
-        for key in ("steps", "ray_train_steps"):
+        if self.input_io_ms < 0 or self.input_decode_rounds < 0:
+            raise ConfigError("bench --input-io-ms and --input-decode-rounds must be >= 0")
+        for key in ("steps", "ray_train_steps", "input_steps", "input_steps_no_loaders"):
             if getattr(self, key) < 2:
                 raise ConfigError(f"bench --{key.replace('_', '-')} must be >= 2 to measure a rate")
         if self.global_batch_size % self.workers:
@@ -133,9 +154,10 @@ class BenchSpec:
         return self.ray_train_steps if contender == "ray_train" else self.steps
 
 
-SCENARIOS = ("train", "kill", "stall", "grow")
+SCENARIOS = ("train", "kill", "stall", "grow", "input")
 SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
-             checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10)
+             checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10, input_steps=8,
+             input_steps_no_loaders=3, input_workers=2)
 
 
 # --------------------------------------------------------------------------- the job
@@ -165,6 +187,36 @@ def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
+class SlowSamples:
+    """The input scenario's dataset: sample i is the training set's row i, read with
+    `input_io_ms` of latency (a sleep, as a read from a network filesystem) and decoded
+    with `input_decode_rounds` small matrix products. A map-style torch dataset (by
+    protocol: torch is not imported until a sample is read)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self._data = None
+
+    def __len__(self) -> int:
+        return self.spec["samples"]
+
+    def __getitem__(self, i: int):
+        import torch
+
+        if self._data is None:  # in the process that reads: not pickled to loader processes
+            self._data = make_data(self.spec)
+            self._mix = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) / 8
+        time.sleep(self.spec["input_io_ms"] / 1000)
+        m = self._mix
+        for _ in range(self.spec["input_decode_rounds"]):
+            m = torch.tanh(m @ self._mix)
+        x, y = self._data
+        return x[i] + 0 * m[0, 0], y[i]
+
+    def __getstate__(self):
+        return {"spec": self.spec, "_data": None}
+
+
 class BenchTask(Task):
     """The bench job as a raytrainer task; workers import it as raytrainer.bench:BenchTask."""
 
@@ -181,6 +233,8 @@ class BenchTask(Task):
     def train_dataset(self):
         from torch.utils.data import TensorDataset
 
+        if self.spec.get("scenario") == "input":
+            return SlowSamples(self.spec)
         return TensorDataset(*make_data(self.spec))
 
     def train_step(self, model, batch):
@@ -326,9 +380,7 @@ def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
         torch.manual_seed(spec["seed"])
         model = DistributedDataParallel(build_mlp(spec))
         optimizer = make_optimizer(model)
-        x, y = make_data(spec)
-        for step in range(spec["steps"]):
-            xb, yb = _rank_batch(spec, x, y, step, rank, world)
+        for step, (xb, yb) in zip(range(spec["steps"]), _raw_batches(spec, rank, world)):
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -340,6 +392,39 @@ def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
             metrics.put(("done",))
     finally:
         dist.destroy_process_group()
+
+
+def _raw_batches(spec: dict[str, Any], rank: int, world: int):
+    """This rank's batches, step after step: sliced from the tensors, or in the input
+    scenario read by DataLoader(num_workers=k) processes (torch's default start method)
+    with the BatchPlan's index lists as the batch_sampler."""
+    if spec.get("scenario") != "input":
+        x, y = make_data(spec)
+        return (_rank_batch(spec, x, y, step, rank, world) for step in itertools.count())
+    from torch.utils.data import DataLoader
+
+    from .data import BatchPlan
+    from .input import _PlanSampler
+
+    per_rank = spec["global_batch_size"] // world
+    sampler = _PlanSampler(BatchPlan(spec["samples"], spec["global_batch_size"], per_rank, world, spec["seed"]), rank)
+    return iter(DataLoader(SlowSamples(spec), batch_sampler=sampler, num_workers=spec["input_workers"]))
+
+
+def _input_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    return _run_raw({**spec, "steps": spec["input_steps"]}, work)
+
+
+def _input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """With data.num_workers 0 first (the steps/s without loader processes), then with
+    input_workers loader processes per rank: the run whose step times are reported."""
+    none = _run_raytrainer({**spec, "steps": spec["input_steps_no_loaders"]}, work / "no-loaders",
+                           {"num_workers": 0})
+    out = _run_raytrainer({**spec, "steps": spec["input_steps"]}, work / "loaders",
+                          {"num_workers": spec["input_workers"]})
+    out["no_loaders_steps_per_s"] = _rate(none["step_times"], spec["warmup_fraction"])
+    out["no_loaders_step_times"] = none["step_times"]
+    return out
 
 
 def _run_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -395,7 +480,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
              "threads": torch.get_num_threads()}))
 
 
-def _run_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+def _run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None) -> dict[str, Any]:
     from .api import train
 
     config = {
@@ -403,6 +488,7 @@ def _run_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         "trainer": {"max_steps": spec["steps"], "global_batch_size": spec["global_batch_size"],
                     "seed": spec["seed"], "log_every_n_steps": 1},  # every step's metrics to the driver
         "scaling": {"num_workers": spec["workers"], "use_gpu": False, "backend": "gloo"},
+        "data": data or {},
         "run": {"name": "bench", "storage": str(work)},
     }
     result = train(config, progress=False)
@@ -616,6 +702,9 @@ KILL_RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
     "ray_train": _kill_ray_train, "raytrainer": _kill_raytrainer,
 }
 GROW_RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {"raytrainer": _grow_raytrainer}
+INPUT_RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
+    "raw": _input_raw, "raytrainer": _input_raytrainer,
+}
 
 
 def _contender_main(name: str, spec_json: str, result_path: str) -> int:
@@ -626,7 +715,7 @@ def _contender_main(name: str, spec_json: str, result_path: str) -> int:
     spec = json.loads(spec_json)
     work = Path(result_path).parent / f"{name}-work"
     work.mkdir(parents=True, exist_ok=True)
-    runners = {"kill": KILL_RUNNERS, "grow": GROW_RUNNERS}.get(spec.get("scenario"), RUNNERS)
+    runners = {"kill": KILL_RUNNERS, "grow": GROW_RUNNERS, "input": INPUT_RUNNERS}.get(spec.get("scenario"), RUNNERS)
     out = runners[name](spec, work)
     out["phases"]["contender_main"] = entered
     Path(result_path).write_text(json.dumps(out))
@@ -660,10 +749,26 @@ def _start_to_first_step(run: dict[str, Any]) -> float | None:
 def _steady_steps_per_s(run: dict[str, Any]) -> float | None:
     if "step_times" not in run or run.get("scenario", "train") != "train":
         return None
-    times = run["step_times"]
-    skip = min(int(len(times) * run["warmup_fraction"]), len(times) - 2)
+    return _rate(run["step_times"], run["warmup_fraction"])
+
+
+def _rate(times: list[float], warmup_fraction: float) -> float:
+    """Steps/s over the step times, less the leading warm-up share."""
+    skip = min(int(len(times) * warmup_fraction), len(times) - 2)
     window = times[skip:]
     return (len(window) - 1) / max(window[-1] - window[0], 1e-9)
+
+
+def _input_steps_per_s(run: dict[str, Any]) -> float | None:
+    if run.get("scenario") != "input":
+        return None
+    return _rate(run["step_times"], run["warmup_fraction"])
+
+
+def _loader_speedup(run: dict[str, Any]) -> float | None:
+    if run.get("scenario") != "input" or "no_loaders_steps_per_s" not in run:
+        return None
+    return _input_steps_per_s(run) / run["no_loaders_steps_per_s"]
 
 
 FIGURES = (
@@ -685,6 +790,12 @@ FIGURES = (
     # Ray Train's resize restarts its whole group from the last checkpoint: see figure 3.
     Figure("grow_pause_s", "pause to grow the group by one worker", "s", "lower",
            ("raytrainer",), lambda run: run.get("grow_pause_s"), scenario="grow"),
+    Figure("input_steps_per_s", "steps/s on a slow dataset (I/O + decode per sample), k loader processes",
+           "steps/s", "higher", ("raw", "raytrainer"), _input_steps_per_s, target=">= 0.95x raw DDP",
+           target_check=lambda m, r: r["raytrainer/raw"] >= 0.95, scenario="input"),
+    Figure("input_loader_speedup", "raytrainer steps/s on it, k loader processes over data.num_workers 0",
+           "x", "higher", ("raytrainer",), _loader_speedup, target=">= 3x",
+           target_check=lambda m, r: m["raytrainer"] >= 3, scenario="input"),
     Figure("checkpoint_stall_sync_s", "training stall per checkpoint, sync", "s", "lower",
            ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s"), scenario="stall"),
     Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
@@ -862,6 +973,16 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
                 if keep_in is None:
                     run.pop("run_dir", None)
                 runs.append(run)
+            for name in [c for c in order if c in INPUT_RUNNERS] if "input" in scenarios else ():
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: {LABELS[name]}, a slow dataset, "
+                    f"{spec.input_workers} loader processes per rank ...")
+                run = _launch(name, spec, rep, Path(tmp), scenario="input")
+                extra = (f" ({run['no_loaders_steps_per_s']:.1f} with data.num_workers 0)"
+                         if "no_loaders_steps_per_s" in run else "")
+                log(f"bench:   {_input_steps_per_s(run):.1f} steps/s{extra}")
+                if keep_in is None:
+                    run.pop("run_dir", None)
+                runs.append(run)
             if "stall" in scenarios:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
                     f"{spec.checkpoint_mb} MB model ...")
@@ -902,6 +1023,14 @@ def notes(spec: BenchSpec) -> list[str]:
             "last checkpoint; raytrainer with its default warm spare). Time: from the kill to the end of "
             "rank 0's first step after the restart; steps lost: the furthest step rank 0 finished before "
             "the failure minus the step training resumed from. Raw DDP has no recovery.")
+    if "input" in spec.scenario_list:
+        out.append(
+            f"Input runs: {spec.input_steps} steps on a dataset whose every sample costs {spec.input_io_ms:g} ms "
+            f"of I/O latency (a sleep) and {spec.input_decode_rounds} 64x64 matrix products of decoding; "
+            f"k={spec.input_workers} loader processes per rank: raw DDP with DataLoader(num_workers=k) (its "
+            "default start method, fork) and the BatchPlan's index lists as batch_sampler, raytrainer with "
+            f"data.num_workers: k (fork server). The speedup row divides that by raytrainer's steps/s with "
+            f"data.num_workers: 0 ({spec.input_steps_no_loaders} steps in the same contender process).")
     if "grow" in spec.scenario_list:
         out.append(
             f"Grow run: {spec.workers} workers on {spec.workers} 1-CPU nodes of a local multi-node Ray "
@@ -959,9 +1088,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-checkpoint-every", type=int, default=d.kill_checkpoint_every,
                         help="checkpoint (and Ray Train report) cadence in the kill runs")
     parser.add_argument("--grow-steps", type=int, default=d.grow_steps, help="optimizer steps of the grow run")
+    parser.add_argument("--input-steps", type=int, default=d.input_steps,
+                        help="optimizer steps of the input runs with loader processes")
+    parser.add_argument("--input-steps-no-loaders", type=int, default=d.input_steps_no_loaders,
+                        help="optimizer steps of raytrainer's input run with data.num_workers 0")
+    parser.add_argument("--input-workers", type=int, default=d.input_workers,
+                        help="loader processes per rank in the input runs")
+    parser.add_argument("--input-io-ms", type=float, default=d.input_io_ms,
+                        help="I/O latency per sample in the input runs")
     parser.add_argument("--scenarios", default=d.scenarios,
                         help="comma-separated subset of train (start-up, steps/s), kill (worker SIGKILL), "
-                             "stall (checkpoint stall)")
+                             "stall (checkpoint stall), grow (elastic grow), input (slow dataset, loader "
+                             "processes)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per contender run")
     parser.add_argument("--smoke", action="store_true",
                         help="a few steps, one repetition, a tiny model: checks the bench works")
@@ -971,7 +1109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     keys = ("workers", "hidden", "layers", "global_batch_size", "samples", "steps", "ray_train_steps",
             "repetitions", "timeout_s", "checkpoint_mb", "kill_steps", "kill_step", "kill_checkpoint_every",
-            "grow_steps", "scenarios")
+            "grow_steps", "scenarios", "input_steps", "input_steps_no_loaders", "input_workers",
+            "input_io_ms")
     values = {k: getattr(args, k) for k in keys}
     if args.smoke:
         default = BenchSpec()

@@ -94,6 +94,11 @@ class BatchPlan:
         start = position + offset
         return list(self.order(epoch)[start : start + count].tensor_split(self.accumulation))
 
+    def micro_batch_sizes(self, rank: int) -> list[int]:
+        """The sizes of `rank`'s micro-batches in every step (micro_batches' lengths)."""
+        base, extra = divmod(self.shard(rank)[1], self.accumulation)
+        return [base + (i < extra) for i in range(self.accumulation)]
+
     def loss_divisor(self, micro_batch: int) -> float:
         """What a micro-batch's mean loss is divided by so that DDP's average over ranks of
         the summed micro-batch gradients is the mean over the global batch: the global batch

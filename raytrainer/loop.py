@@ -46,10 +46,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .callbacks import Callbacks
 from .checkpoint import AsyncWriter, Checkpoints, Committed, to_cpu
-from .config import ChaosFault, CheckpointConfig, TrainerConfig
-from .data import BatchPlan, batch_size_of, fetch, to_device, val_shard
+from .config import ChaosFault, CheckpointConfig, DataConfig, TrainerConfig
+from .data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
+from .input import ValInput, build_train_input, dataset_size
 from .schedule import build_lr_schedule
 from .syncbn import convert_sync_batchnorm
 from .task import Task
@@ -68,7 +69,7 @@ class Loop:
                  notify: Callable[[dict[str, Any]], None] | None = None,
                  chaos: list[ChaosFault] | None = None, chaos_claim: Callable[[int, int], bool] | None = None,
                  state: dict[str, Any] | None = None, max_world_size: int | None = None,
-                 base_world_size: int | None = None):
+                 base_world_size: int | None = None, data: DataConfig | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         # scaling.num_workers: the world size global_batch_size and the LR are given for
@@ -113,6 +114,11 @@ class Loop:
             )
         if cfg.early_stopping and self.val_data is None:
             raise ConfigError("trainer.early_stopping needs a validation dataset; the task has none")
+        # How micro-batches are read (in this thread, loader processes, a stream): input.py.
+        data = data or DataConfig()
+        self.train_input = build_train_input(self.train_data, data, max_epochs=cfg.max_epochs, rank=rank,
+                                             plan=self.plan, device=device)
+        self.val_input = ValInput(self.val_data, data, device) if self.val_data is not None else None
         # Training stops at max_steps optimizer steps or at the end of epoch max_epochs.
         self.max_steps = cfg.fast_dev_run or cfg.max_steps
         self.max_epochs = None if cfg.fast_dev_run else cfg.max_epochs
@@ -200,6 +206,7 @@ class Loop:
         self.flush(wait=True)
         if self.paused:  # for a resize: regroup(), then fit() again
             return None
+        self.close_inputs()
         if not self.cfg.fast_dev_run:
             self.save_checkpoint()  # the end of the run (a no-op if this step is saved)
             if self._writer is not None:
@@ -241,16 +248,17 @@ class Loop:
         _seed_all(self.cfg.seed, self.rank, step, self.device)
         self._buffers_at_step_start = [b.detach().clone() for b in self.module.buffers()]
         self._arm_chaos(step)
-        micro_batches = self.plan.micro_batches(self.epoch, self.position, self.rank)
-        last = len(micro_batches) - 1
+        sizes = self.plan.micro_batch_sizes(self.rank)
+        batches = self.train_input.batches(self.epoch, self.position, self.step)
+        last = len(sizes) - 1
         lr = float(self.optimizer.param_groups[0]["lr"]) * self.lr_scale  # the LR this step uses
         total = None  # the step's metrics, weighted like the loss (this rank's share)
-        for i, index in enumerate(micro_batches):
-            divisor = self.plan.loss_divisor(len(index))
+        for i, size in enumerate(sizes):
+            divisor = self.plan.loss_divisor(size)
             sync = i == last or self.model is self.module
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self._in_user_code():
-                    batch = to_device(fetch(self.train_data, index), self.device)
+                    batch = to_device(next(batches), self.device)
                     with self._autocast():
                         out = self.task.train_step(self.model, batch)
                 loss = self._loss_of(out) / divisor
@@ -312,11 +320,14 @@ class Loop:
         model = self.ema.module if self.ema is not None else self.module
         model.eval()
         total, count = None, 0
-        index = val_shard(len(self.val_data), self.rank, self.world_size)
-        chunks = index.split(self.plan.micro_batch_size)
-        for chunk in chunks[: self.cfg.fast_dev_run or None]:
+        batches = self.val_input.batches(self.rank, self.world_size, self.plan.micro_batch_size,
+                                         self.cfg.fast_dev_run or None)
+        while True:
             with self._in_user_code():
-                batch = to_device(fetch(self.val_data, chunk), self.device)
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                batch = to_device(batch, self.device)
                 with self._autocast():
                     out = self.task.val_step(model, batch)
             n = batch_size_of(batch)
@@ -371,6 +382,7 @@ class Loop:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
+            "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
             "loop": {"step": self.step, "epoch": self.epoch, "position": self.position,
                      "skipped_steps": self.skipped_steps, "best": self._best,
                      "bad_validations": self._bad_validations, "after_pending": self._after_pending,
@@ -407,6 +419,7 @@ class Loop:
         self._best, self._bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
         self._saved_step = self.step
+        self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
     def save_checkpoint(self) -> None:
@@ -457,6 +470,7 @@ class Loop:
         for timer in self._chaos_timers:
             timer.cancel()
         self._chaos_timers = []
+        self.train_input.reset()  # it had prepared the rest of the interrupted step
         self.phase = "framework"
         self.module.train()
 
@@ -465,8 +479,15 @@ class Loop:
         self.rank, self.world_size = rank, world_size
         self.report = (report_to or self._report) if rank == 0 else _drop
         self.plan = self._plan()
+        self.train_input.regroup(self.plan, rank, self.step)
         self.model = self._wrap()
         self.pause_requested = self._pause_agreed = self.paused = False
+
+    def close_inputs(self) -> None:
+        """Stop the loader processes (they also die with this process)."""
+        self.train_input.close()
+        if self.val_input is not None:
+            self.val_input.close()
 
     # ------------------------------------------------------------------ helpers
 
@@ -485,7 +506,7 @@ class Loop:
         if self.cfg.batch_policy == "per_worker":
             batch = batch // self.base_world_size * world
         micro = self.cfg.micro_batch_size or -(-batch // world)
-        return BatchPlan(len(self.train_data), batch, micro, world, self.cfg.seed,
+        return BatchPlan(dataset_size(self.train_data), batch, micro, world, self.cfg.seed,
                          overfit_batches=self.cfg.overfit_batches)
 
     @property

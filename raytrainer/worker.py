@@ -94,7 +94,7 @@ class Worker:
                              report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(rank),
                              checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
                              chaos_claim=self._chaos_claim, max_world_size=cfg.scaling.max_workers,
-                             base_world_size=cfg.scaling.num_workers,
+                             base_world_size=cfg.scaling.num_workers, data=cfg.data,
                              state=_load(resume) if resume is not None else None)
             return self.loop.total_steps, self.loop.plan.steps_per_epoch
 

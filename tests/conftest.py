@@ -31,9 +31,33 @@ def assert_no_leaks(timeout_s=10.0):
 
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = state.actors(actor_state_name="ALIVE")
+        # Ray Data starts cluster-wide service actors (its stats and autoscaling actors),
+        # detached, once per cluster; raytrainer never makes a detached actor.
+        alive = {k: a["ActorClassName"] for k, a in state.actors(actor_state_name="ALIVE").items()
+                 if not a["IsDetached"]}
         pgs = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
         if not alive and not pgs:
             return
-        assert time.monotonic() < deadline, f"left behind: actors {list(alive)}, placement groups {pgs}"
+        assert time.monotonic() < deadline, f"left behind: actors {alive}, placement groups {pgs}"
         time.sleep(0.2)
+
+
+def loader_processes() -> list[str]:
+    """Live loader processes and fork servers started by this checkout's raytrainer, in
+    this process or in Ray workers: their command line names raytrainer.input (the fork
+    server's preload list, which the loader processes it forks inherit) and this checkout.
+    This process's own fork server, which multiprocessing keeps for the process's life,
+    is not counted; the loader processes it forked are."""
+    from .ray_procs import live_processes
+
+    return [f"{pid} (parent {ppid}): {cmdline[:80]!r}" for pid, ppid, cmdline in live_processes()
+            if b"raytrainer.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()]
+
+
+def assert_no_loader_processes(timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (left := loader_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"loader processes left running: {left}"

@@ -30,20 +30,23 @@ def token_env() -> dict:
     return env
 
 
-def processes_under(temp_dir: str) -> list[int]:
-    """Pids of live processes whose command line names temp_dir."""
-    pids = []
+def live_processes():
+    """(pid, parent pid, command line) of every live (not zombie) process but this one."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
             with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if temp_dir.encode() in cmdline and int(pid) != os.getpid() and not zombie:
-            pids.append(int(pid))
-    return pids
+        if int(pid) != os.getpid() and state != "Z":
+            yield int(pid), int(ppid), cmdline
+
+
+def processes_under(temp_dir: str) -> list[int]:
+    """Pids of live processes whose command line names temp_dir."""
+    return [pid for pid, _, cmdline in live_processes() if temp_dir.encode() in cmdline]
 
 
 def wait_gone(temp_dir: str, timeout_s: float = 40.0) -> list[int]:

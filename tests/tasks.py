@@ -232,3 +232,117 @@ class StopServer:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"the server on port {self.port} still answers")
+
+
+class RegressionStream(torch.utils.data.IterableDataset):
+    """RegressionTask's samples as a stream: item i is (x, y, i), sample i % len(data);
+    `length` items, or endless."""
+
+    def __init__(self, data, length=None):
+        self.data, self.length = data, length
+
+    def __iter__(self):
+        return self._shard(0, 1)
+
+    def _shard(self, index, count):
+        import itertools
+
+        items = itertools.count(index, count)
+        for i in items if self.length is None else range(index, self.length, count):
+            x, y, _ = self.data[i % len(self.data)]
+            yield x, y, torch.tensor(i)
+
+
+class ShardedRegressionStream(RegressionStream):
+    """Reads only the items raytrainer asks it for (no skipping)."""
+
+    def shard(self, index, count):
+        return self._shard(index, count)
+
+
+class StreamTask(RegressionTask):
+    """RegressionTask on a stream of its training samples (see RegressionStream)."""
+
+    def __init__(self, stream_length=None, sharded=False, **kwargs):
+        super().__init__(**kwargs)
+        self.stream_length, self.sharded = stream_length, sharded
+
+    def train_dataset(self):
+        cls = ShardedRegressionStream if self.sharded else RegressionStream
+        return cls(self._data(self.num_samples, 1), self.stream_length)
+
+
+class Unpicklable(torch.utils.data.Dataset):
+    """A dataset holding a lock: it cannot be sent to a loader process."""
+
+    def __init__(self, data):
+        import threading
+
+        self.data, self.lock = data, threading.Lock()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+class DyingLoader(torch.utils.data.Dataset):
+    """A dataset whose read of sample `at` kills the process reading it (a segfault, the
+    OOM killer) when that is a loader process."""
+
+    def __init__(self, data, at):
+        self.data, self.at = data, at
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        import os
+        import signal
+
+        if i == self.at and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.data[i]
+
+
+class BadInputTask(RegressionTask):
+    def __init__(self, kind="unpicklable", **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def train_dataset(self):
+        data = self._data(self.num_samples, 1)
+        return Unpicklable(data) if self.kind == "unpicklable" else DyingLoader(data, at=3)
+
+
+def _regression_rows(batch, dim=4):
+    """Ray Data preprocessing (in Ray's tasks): row id -> features and target."""
+    import numpy as np
+
+    ids = batch["id"]
+    x = np.stack([np.sin(ids * (k + 1) * 0.37) for k in range(dim)], axis=1).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [0.0]], dtype=np.float32))
+    return {"x": x, "y": y, "id": ids}
+
+
+class RayDataTask(RegressionTask):
+    """RegressionTask on ray.data.range(rows) preprocessed by map_batches; records the row
+    ids each rank trains on under `record` (one line per micro-batch)."""
+
+    def __init__(self, rows=96, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def train_dataset(self):
+        import ray.data
+
+        return ray.data.range(self.rows, override_num_blocks=4).map_batches(_regression_rows, batch_format="numpy")
+
+    def train_step(self, model, batch):
+        if self.record:
+            import torch.distributed as dist
+
+            with open(f"{self.record}.{dist.get_rank()}", "a") as f:
+                f.write(" ".join(map(str, batch["id"].tolist())) + "\n")
+        return {"loss": torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])}

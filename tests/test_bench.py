@@ -63,7 +63,8 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     kills = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "kill"}
     runs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "train"}
     grows = [r for r in report["runs"] if r.get("scenario") == "grow"]
-    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 7
+    inputs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "input"}
+    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 9
     for name, run in runs.items():
         assert len(run["step_times"]) == smoke.steps_for(name), name
         assert run["step_times"] == sorted(run["step_times"])
@@ -101,6 +102,16 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert (event["old_world_size"], event["new_world_size"], event["added"]) == (smoke.workers, smoke.workers + 1, 1)
     assert len(grow["step_times"]) == smoke.grow_steps and grow["grow_pause_s"] > 0
     assert figures["grow_pause_s"]["medians"] == {"raytrainer": grow["grow_pause_s"]}
+    # The slow dataset was read by loader processes in raw DDP and raytrainer, and by
+    # raytrainer without them too; every step of each run arrived.
+    assert sorted(inputs) == ["raw", "raytrainer"]
+    assert all(len(r["step_times"]) == smoke.input_steps for r in inputs.values())
+    assert len(inputs["raytrainer"]["no_loaders_step_times"]) == smoke.input_steps_no_loaders
+    assert set(figures["input_steps_per_s"]["medians"]) == {"raw", "raytrainer"}
+    speedup = figures["input_loader_speedup"]["medians"]["raytrainer"]
+    assert speedup == pytest.approx(bench._input_steps_per_s(inputs["raytrainer"])
+                                    / inputs["raytrainer"]["no_loaders_steps_per_s"])
+    assert isinstance(figures["input_loader_speedup"]["target_met"], bool)
     assert all(f["status"] == "measured" for f in report["figures"])
     # The printed table has a row per figure; raw DDP, which cannot recover, shows "-" in
     # the kill rows.

@@ -12,7 +12,7 @@ from raytrainer.errors import ConfigError, TaskError, WorkerError
 from raytrainer.policy import (Failure, FailurePolicy, FailuresExceeded, blame, choose_source,
                                choose_state, keep_waiting_for_placement)
 
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, assert_no_loader_processes
 
 
 def config(tmp_path, name, chaos=(), workers=2, **failure):
@@ -58,6 +58,20 @@ def test_three_kills_end_bit_identical_to_an_undisturbed_run(undisturbed, tmp_pa
     assert len(train_steps) == len(set(train_steps))  # a redone step is not logged twice
     assert result.metrics["step"] == 24
     assert_no_leaks()
+
+
+def test_kills_with_loader_processes_end_bit_identical_and_leave_none_behind(undisturbed, tmp_path):
+    """With 2 loader processes per rank (the undisturbed run has none): each kill takes
+    the killed worker's loader processes with it, the replacement and the survivor start
+    theirs again at the step's position, and the weights are the same bits."""
+    cfg = config(tmp_path, "loaders", [{"action": "kill", "step": 5, "rank": 0}, {"action": "kill", "step": 11}])
+    cfg["data"] = {"num_workers": 2, "prefetch_factor": 3}
+    cfg["failure"]["step_timeout_s"] = 60  # starting loader processes on a busy 2-core machine is no hang
+    result = raytrainer.train(cfg, progress=False)
+    assert_same(weights(result), undisturbed)
+    assert [r["step"] for r in events(result, "recovered")] == [5, 11]
+    assert_no_leaks()
+    assert_no_loader_processes()
 
 
 def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, tmp_path):
