@@ -64,7 +64,8 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     runs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "train"}
     grows = [r for r in report["runs"] if r.get("scenario") == "grow"]
     inputs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "input"}
-    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 9
+    faults = [r for r in report["runs"] if r.get("scenario") == "faults"]
+    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 10
     for name, run in runs.items():
         assert len(run["step_times"]) == smoke.steps_for(name), name
         assert run["step_times"] == sorted(run["step_times"])
@@ -112,6 +113,24 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert speedup == pytest.approx(bench._input_steps_per_s(inputs["raytrainer"])
                                     / inputs["raytrainer"]["no_loaders_steps_per_s"])
     assert isinstance(figures["input_loader_speedup"]["target_met"], bool)
+    # Five faults in one run of 3 workers, each recovered in memory, one recovery each; the
+    # run ends with the weights of an undisturbed run of the same config.
+    (run,) = faults
+    recs = run["recoveries"]
+    assert [(r["fault"], r["fault_index"]) for r in recs] == [
+        ("kill", 0), ("kill", 1), ("freeze", 2), ("double_kill", 3), ("kill", 4)], recs
+    assert [[f["kind"] for f in r["failed"]] for r in recs[:3]] == [["died"], ["died"], ["hung"]]
+    assert {f["rank"] for f in recs[3]["failed"]} == {1, 2} and recs[3]["attempts"] >= 1
+    for rec in recs:
+        assert rec["seconds"] > 0 and rec["steps_lost"] >= 0 and rec["fault_to_first_step_s"] > rec["seconds"]
+    assert recs[2]["detect_s"] >= smoke.faults_step_timeout_s
+    assert run["bit_identical"] is True, f"the faulted run's weights differ by up to {run['max_abs_diff']}"
+    for i in range(len(bench.FAULTS)):
+        for key in (f"fault_{i + 1}_to_first_step_s", f"fault_{i + 1}_steps_lost"):
+            assert figures[key]["medians"] == {"raytrainer": recs[i][key.split("_", 2)[2]]}, key
+            assert figures[key]["met_runs"][1] == 1 and isinstance(figures[key]["target_met"], bool)
+    assert figures["faults_bit_identical"]["target_met"] is True
+    assert "| final weights of the faulted run against an undisturbed one (bit-identical) | - | - | yes |" in printed
     assert all(f["status"] == "measured" for f in report["figures"])
     # The printed table has a row per figure; raw DDP, which cannot recover, shows "-" in
     # the kill rows.
@@ -137,6 +156,8 @@ def test_bad_settings_are_clear_errors(capsys):
         bench.BenchSpec(workers=0)
     with pytest.raises(ConfigError, match="multiple of --workers=3"):
         bench.BenchSpec(workers=3)
+    with pytest.raises(ConfigError, match="--faults-workers=2 must be >= 3"):
+        bench.BenchSpec(faults_workers=2)
     assert main(["bench", "--steps", "1"]) == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
 
@@ -165,3 +186,45 @@ def test_figures_from_timestamps():
     # A scenario left out is said to be, not measured as nothing.
     figures = {f["key"]: f for f in bench.summarize(runs, ["train"])}
     assert figures["steps_lost"]["status"] == "not measured" and figures["steps_lost"]["reason"].startswith("not run")
+
+
+def test_fault_figures_from_events():
+    """Each recovery is matched to the fault it followed, timed from the fault, and a
+    target that must hold in every run says in how many it did."""
+    spec = {"faults_workers": 3, "faults_every": 100}
+    plan = bench.fault_plan(spec)
+    assert [(f["fault"], f["step"], f["ranks"]) for f in plan] == [
+        ("kill", 100, [0]), ("kill", 200, [2]), ("freeze", 300, [1]), ("double_kill", 400, [1, 2]), ("kill", 500, [2])]
+    plan[3]["killed_at"] = [40.0, 40.3]
+    rows = ([(s, 10.0 + s / 10) for s in range(1, 100)] + [(s, 11.0 + s / 10) for s in range(100, 290)]
+            + [(s, 42.0 + (s - 400) / 10) for s in range(401, 410)])
+    events = [{"event": "worker_failed", "time": 20.0, "rank": 0, "kind": "died", "step": 99},
+              {"event": "recovered", "time": 21.0, "step": 99, "seconds": 1.0, "steps_lost": 0, "attempts": 1,
+               "failures": 1},
+              {"event": "worker_failed", "time": 40.1, "rank": 1, "kind": "died", "step": 401},
+              {"event": "worker_failed", "time": 40.4, "rank": 2, "kind": "died", "step": 401},
+              {"event": "recovered", "time": 42.0, "step": 401, "seconds": 1.9, "steps_lost": 2, "attempts": 2,
+               "failures": 3}]
+    first, double = bench._recoveries(plan, events, rows, 3.0)
+    assert (first["fault"], first["fault_step"], first["fault_at"]) == ("kill", 100, 19.9)  # rank 0's step 99
+    assert first["fault_to_first_step_s"] == pytest.approx(21.1 - 19.9) and first["goal_met"]
+    assert (double["fault"], double["fault_at"], double["attempts"]) == ("double_kill", 40.0, 2)
+    assert [f["rank"] for f in double["failed"]] == [1, 2] and double["detect_s"] == pytest.approx(0.1)
+    assert double["fault_to_first_step_s"] == pytest.approx(42.1 - 40.0) and not double["goal_met"]  # 2 lost
+
+    def faults_run(seconds, identical):
+        return {"contender": "raytrainer", "scenario": "faults", "bit_identical": identical,
+                "recoveries": [{"fault_index": i, "fault_to_first_step_s": seconds, "steps_lost": 0,
+                                "goal_s": 6.0 if kind == "freeze" else 3.0}
+                               for i, (kind, _) in enumerate(bench.FAULTS)]}
+
+    report = {"figures": bench.summarize([faults_run(2.0, True), faults_run(4.0, True)], ["faults"])}
+    figures = {f["key"]: f for f in report["figures"]}
+    assert figures["fault_1_to_first_step_s"]["medians"] == {"raytrainer": 3.0}
+    assert figures["fault_1_to_first_step_s"]["met_runs"] == [1, 2]
+    assert figures["fault_1_to_first_step_s"]["target_met"] is False
+    assert figures["fault_3_to_first_step_s"]["target_met"] is True  # a freeze: step_timeout_s + 3 s
+    assert figures["faults_bit_identical"]["met_runs"] == [2, 2]
+    printed = bench.format_table(report)
+    assert "| - | - | 3 | - | - | <= 3 s (met in 1 of 2 runs) |" in printed
+    assert "| - | - | yes | - | - | bit-identical (met in 2 of 2 runs) |" in printed
