@@ -731,6 +731,12 @@ FAULT_TITLES = {"kill": "SIGKILL of {} at a random moment of a step",
                 "freeze": "SIGSTOP of {} at a random moment of a step",
                 "double_kill": "SIGKILL of {}, 0.3 s apart, from outside"}
 DOUBLE_KILL_GAP_S = 0.3
+FAULTS_COLLECTIVE_TIMEOUT_S = 30.0
+"""failure.collective_timeout_s of the faults runs (default 600 s). With 3 workers a survivor
+can be left waiting in a Gloo collective that its surviving peers have already left (they
+keep their sockets open), and the driver does not blame a worker in a collective while it
+recovers: only this timeout ends that wait. 30 s keeps such a recovery visible in the
+figures without letting it stall the bench for 10 minutes."""
 RECOVERY_GOAL_S = 3.0
 """Every recovery: fault to the first step after it (a freeze: plus step_timeout_s)."""
 
@@ -750,7 +756,8 @@ def _faults_config(spec: dict[str, Any], work: Path, name: str, chaos: list[dict
         "scaling": {"num_workers": spec["faults_workers"], "use_gpu": False, "backend": "gloo"},
         # Room for every fault's failures and two more: an extra one is reported, not fatal.
         "failure": {"chaos": chaos, "step_timeout_s": spec["faults_step_timeout_s"],
-                    "max_failures": sum(len(r) for _, r in FAULTS) + 2},
+                    "max_failures": sum(len(r) for _, r in FAULTS) + 2,
+                    "collective_timeout_s": FAULTS_COLLECTIVE_TIMEOUT_S},
         "run": {"name": name, "storage": str(work)},
     }
 
@@ -1294,7 +1301,8 @@ def notes(spec: BenchSpec) -> list[str]:
                           f"{f['step']}" for f in plan)
         out.append(
             f"Faults run: {spec.faults_workers} workers, {(len(FAULTS) + 1) * spec.faults_every} steps, "
-            f"failure.step_timeout_s {spec.faults_step_timeout_s:g}, default warm spare, no checkpoints; "
+            f"failure.step_timeout_s {spec.faults_step_timeout_s:g}, collective_timeout_s "
+            f"{FAULTS_COLLECTIVE_TIMEOUT_S:g}, default warm spare, no checkpoints; "
             f"{where}. Single kills and the freeze are failure.chaos faults with at: random (a timer "
             "thread in the worker SIGKILLs or SIGSTOPs it at a seeded random moment of the step); the "
             f"double kill is two os.kill(SIGKILL) by pid from the contender's process, "
