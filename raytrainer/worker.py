@@ -110,7 +110,7 @@ class Worker:
         try:
             weights = self.loop.fit()
         except Exception as exc:
-            leave_group(failed=True)  # peers blocked on this worker in a collective fail now, not later
+            leave_group(failed=True)  # abort: destroying blocks while a peer still waits in a collective
             interrupted = _peer_failure(exc)
             error = None if interrupted else _worker_error(self, exc)
             self.loop.abandon_step()
