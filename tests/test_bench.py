@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from raytrainer import bench
+from raytrainer.bench.faults import recoveries
+from raytrainer.bench.report import input_steps_per_s, start_to_first_step, steady_steps_per_s
+from raytrainer.bench.run import launch
 from raytrainer.cli import main
 from raytrainer.errors import ConfigError
 from raytrainer.plot import plot_runs
@@ -110,7 +113,7 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert len(inputs["raytrainer"]["no_loaders_step_times"]) == smoke.input_steps_no_loaders
     assert set(figures["input_steps_per_s"]["medians"]) == {"raw", "raytrainer"}
     speedup = figures["input_loader_speedup"]["medians"]["raytrainer"]
-    assert speedup == pytest.approx(bench._input_steps_per_s(inputs["raytrainer"])
+    assert speedup == pytest.approx(input_steps_per_s(inputs["raytrainer"])
                                     / inputs["raytrainer"]["no_loaders_steps_per_s"])
     assert isinstance(figures["input_loader_speedup"]["target_met"], bool)
     # Five faults in one run of 3 workers, each recovered in memory, one recovery each; the
@@ -148,7 +151,7 @@ def test_a_contender_past_its_timeout_is_stopped_with_everything_it_started(tmp_
     # 8 s: raytrainer is starting Ray (or its workers) when it is stopped.
     spec = bench.BenchSpec(**{**bench.SMOKE, "timeout_s": 8.0})
     with pytest.raises(bench.BenchError, match="raytrainer timed out after 8 s"):
-        bench._launch("raytrainer", spec, 0, tmp_path)
+        launch("raytrainer", spec, 0, tmp_path)
     # A Ray worker process still importing when its raylet was stopped exits only once it
     # gets to look (seen: over 20 s on a loaded 2-core machine).
     assert_nothing_left(tagged, timeout_s=60.0)
@@ -169,8 +172,8 @@ def test_figures_from_timestamps():
     """The arithmetic behind the two measured figures, on made-up timestamps."""
     run = {"launched": 100.0, "step_times": [103.0] + [110.0 + i * 0.5 for i in range(10)],
            "warmup_fraction": 0.1, "contender": "raytrainer"}
-    assert bench._start_to_first_step(run) == 3.0
-    assert bench._steady_steps_per_s(run) == pytest.approx(2.0)  # the slow first step is warm-up
+    assert start_to_first_step(run) == 3.0
+    assert steady_steps_per_s(run) == pytest.approx(2.0)  # the slow first step is warm-up
     runs = [dict(run, contender=c, launched=100.0 - i) for i, c in enumerate(bench.CONTENDERS)]
     figures = {f["key"]: f for f in bench.summarize(runs)}
     start = figures["start_to_first_step_s"]
@@ -208,7 +211,7 @@ def test_fault_figures_from_events():
               {"event": "worker_failed", "time": 40.4, "rank": 2, "kind": "died", "step": 401},
               {"event": "recovered", "time": 42.0, "step": 401, "seconds": 1.9, "steps_lost": 2, "attempts": 2,
                "failures": 3}]
-    first, double = bench._recoveries(plan, events, rows, 3.0)
+    first, double = recoveries(plan, events, rows, 3.0)
     assert (first["fault"], first["fault_step"], first["fault_at"]) == ("kill", 100, 19.9)  # rank 0's step 99
     assert first["fault_to_first_step_s"] == pytest.approx(21.1 - 19.9) and first["goal_met"]
     assert (double["fault"], double["fault_at"], double["attempts"]) == ("double_kill", 40.0, 2)

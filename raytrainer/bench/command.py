@@ -1,0 +1,75 @@
+"""`raytrainer bench`'s options and its printed report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .report import format_table, recovery_lines
+from .run import run_bench
+from .spec import SMOKE, BenchSpec
+
+
+OPTIONS: dict[str, str | None] = {
+    "workers": "workers per contender (CPU, Gloo)",
+    "hidden": "MLP hidden width",
+    "layers": "MLP hidden layers",
+    "global_batch_size": None,
+    "samples": "training set size",
+    "steps": "optimizer steps (raw DDP, raytrainer)",
+    "ray_train_steps": "optimizer steps for Ray Train (its report() paces it at about 0.5 steps/s)",
+    "repetitions": None,
+    "checkpoint_mb": "model size for the checkpoint-stall figures",
+    "kill_steps": "optimizer steps of the kill runs",
+    "kill_step": "the step at which one worker is SIGKILLed in the kill runs",
+    "kill_checkpoint_every": "checkpoint (and Ray Train report) cadence in the kill runs",
+    "grow_steps": "optimizer steps of the grow run",
+    "input_steps": "optimizer steps of the input runs with loader processes",
+    "input_steps_no_loaders": "optimizer steps of raytrainer's input run with data.num_workers 0",
+    "input_workers": "loader processes per rank in the input runs",
+    "input_io_ms": "I/O latency per sample in the input runs",
+    "faults_workers": "workers of the faults runs",
+    "faults_every": "steps between the five faults of the faults run",
+    "faults_step_timeout_s": "failure.step_timeout_s of the faults runs (how long a freeze goes unnoticed)",
+    "scenarios": "comma-separated subset of train (start-up, steps/s), kill (worker SIGKILL), stall "
+                 "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
+                 "(five faults in one run)",
+    "timeout_s": "per contender run",
+}
+"""The BenchSpec fields the command line sets (--kebab-case of the name), with their help."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = BenchSpec()
+    for key, text in OPTIONS.items():
+        default = getattr(defaults, key)
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(default), default=default, help=text)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few steps, one repetition, a tiny model: checks the bench works")
+    parser.add_argument("--out", help="also write the report as JSON to this path")
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    values = {key: getattr(args, key) for key in OPTIONS}
+    if args.smoke:
+        default = BenchSpec()
+        values.update({k: v for k, v in SMOKE.items() if values[k] == getattr(default, k)})
+    return BenchSpec(**values)
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_bench(spec_from_args(args), out=args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    m = report["machine"]
+    print(f"{m['cpu']}, {m['cores']} cores; torch {m['torch']}, ray {m['ray']}; "
+          f"{report['settings']['workers']} CPU workers, Gloo; medians of "
+          f"{report['settings']['repetitions']} repetition(s)")
+    print(format_table(report))
+    for note in report["notes"]:
+        print(f"\n{note}")
+    for run in (r for r in report["runs"] if r.get("scenario") == "faults"):
+        print(f"\nFaults run {run['repetition'] + 1} (load average {run['load_before']:.2f} before it):")
+        for line in recovery_lines(run):
+            print(f"- {line}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0

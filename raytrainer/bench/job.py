@@ -1,0 +1,129 @@
+"""The job every contender trains: an MLP regressing a fixed random linear map, the same
+seeded data, global batch and per-epoch sample order (raytrainer's BatchPlan), SGD.
+Torch is imported inside the functions: the CLI imports this package to build its parser."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..task import Task
+from .kill import arm_kill
+
+TASK_TARGET = "raytrainer.bench:BenchTask"
+"""How raytrainer's workers import the bench task (config task.target)."""
+
+
+def build_mlp(spec: dict[str, Any]):
+    import torch
+
+    dims = [spec["in_dim"]] + [spec["hidden"]] * spec["layers"]
+    layers: list[Any] = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(dims[-1], 1))
+
+
+def make_data(spec: dict[str, Any]):
+    import torch
+
+    g = torch.Generator().manual_seed(spec["seed"])
+    x = torch.randn(spec["samples"], spec["in_dim"], generator=g)
+    w = torch.randn(spec["in_dim"], 1, generator=g)
+    return x, x @ w + 0.1 * torch.randn(spec["samples"], 1, generator=g)
+
+
+def make_optimizer(model):
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def sgd_step(model, optimizer, xb, yb):
+    """One optimizer step of the contenders that write their own loop; returns the loss."""
+    import torch
+
+    loss = torch.nn.functional.mse_loss(model(xb), yb)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def batch_plan(spec: dict[str, Any], world: int):
+    from ..data import BatchPlan
+
+    return BatchPlan(spec["samples"], spec["global_batch_size"], spec["global_batch_size"] // world, world,
+                     spec["seed"])
+
+
+def rank_batch(spec: dict[str, Any], x, y, step: int, rank: int, world: int):
+    """This rank's share of optimizer step `step`: raytrainer's sample order, so all
+    three contenders see the same samples in the same order."""
+    plan = batch_plan(spec, world)
+    epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+    (index,) = plan.micro_batches(epoch, in_epoch * plan.global_batch_size, rank)
+    return x[index], y[index]
+
+
+class SlowSamples:
+    """The input scenario's dataset: sample i is the training set's row i, read with
+    `input_io_ms` of latency (a sleep, as a read from a network filesystem) and decoded
+    with `input_decode_rounds` small matrix products. A map-style torch dataset (by
+    protocol: torch is not imported until a sample is read)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self._data = None
+
+    def __len__(self) -> int:
+        return self.spec["samples"]
+
+    def __getitem__(self, i: int):
+        import torch
+
+        if self._data is None:  # in the process that reads: not pickled to loader processes
+            self._data = make_data(self.spec)
+            self._mix = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) / 8
+        time.sleep(self.spec["input_io_ms"] / 1000)
+        m = self._mix
+        for _ in range(self.spec["input_decode_rounds"]):
+            m = torch.tanh(m @ self._mix)
+        x, y = self._data
+        return x[i] + 0 * m[0, 0], y[i]
+
+    def __getstate__(self):
+        return {"spec": self.spec, "_data": None}
+
+
+class BenchTask(Task):
+    """The bench job as a raytrainer task; workers import it as raytrainer.bench:BenchTask."""
+
+    def __init__(self, **spec):
+        self.spec = spec
+        self._steps = 0  # train_step calls: one per optimizer step (no accumulation in the bench)
+
+    def build_model(self):
+        return build_mlp(self.spec)
+
+    def build_optimizer(self, model):
+        return make_optimizer(model)
+
+    def train_dataset(self):
+        from torch.utils.data import TensorDataset
+
+        if self.spec.get("scenario") == "input":
+            return SlowSamples(self.spec)
+        return TensorDataset(*make_data(self.spec))
+
+    def train_step(self, model, batch):
+        import torch
+
+        x, y = batch
+        self._steps += 1
+        if self.spec.get("kill_marker"):
+            arm_kill(self.spec, self._steps, torch.distributed.get_rank())
+        if self.spec.get("pace_while") and os.path.exists(self.spec["pace_while"]):
+            time.sleep(0.02)
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}

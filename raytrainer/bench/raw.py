@@ -1,0 +1,99 @@
+"""Raw torch DDP, the floor: `torch.multiprocessing` spawns the ranks, a Gloo group over
+TCP, a plain loop; rank 0 puts every step's loss on a queue the driver reads."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+from .job import SlowSamples, batch_plan, build_mlp, make_data, make_optimizer, rank_batch, sgd_step
+from .spec import BenchError
+
+
+def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from ..dist import free_port
+
+    phases = {"torch_imported": time.time()}
+    ctx = mp.get_context("spawn")
+    metrics = ctx.Queue()
+    procs = mp.start_processes(_raw_worker, args=(spec, free_port(), metrics), nprocs=spec["workers"],
+                               join=False, start_method="spawn")
+    phases["workers_spawned"] = time.time()
+    rows, done = [], False
+    try:
+        # The driver reads every step's loss as it arrives, as a real launcher's logger would.
+        while not done:
+            try:
+                item = metrics.get(timeout=0.2)
+            except queue.Empty:
+                if procs.join(timeout=0):  # all exited without saying done: cannot happen unless killed
+                    break
+                continue
+            if item[0] == "step":
+                rows.append(item[1:])
+            elif item[0] == "phase":
+                phases[item[1]] = item[2]
+            else:
+                done = True
+        while not procs.join(timeout=1):
+            pass
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if not done:
+        raise BenchError("raw DDP workers exited before finishing")
+    return {"step_times": [t for _, _, t in rows], "last_loss": rows[-1][1], "phases": phases,
+            "threads": phases.pop("threads", None)}
+
+
+def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = spec["workers"]
+    torch.set_num_threads(1)  # as Ray does for a 1-CPU actor (OMP_NUM_THREADS=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            metrics.put(("phase", "group_formed", time.time()))
+            metrics.put(("phase", "threads", torch.get_num_threads()))
+        torch.manual_seed(spec["seed"])
+        model = DistributedDataParallel(build_mlp(spec))
+        optimizer = make_optimizer(model)
+        for step, (xb, yb) in zip(range(spec["steps"]), _raw_batches(spec, rank, world)):
+            loss = sgd_step(model, optimizer, xb, yb)
+            if rank == 0:
+                value = loss.item()
+                metrics.put(("step", step + 1, value, time.time()))
+        if rank == 0:
+            metrics.put(("done",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _raw_batches(spec: dict[str, Any], rank: int, world: int):
+    """This rank's batches, step after step: sliced from the tensors, or in the input
+    scenario read by DataLoader(num_workers=k) processes (torch's default start method)
+    with the BatchPlan's index lists as the batch_sampler."""
+    if spec.get("scenario") != "input":
+        x, y = make_data(spec)
+        return (rank_batch(spec, x, y, step, rank, world) for step in itertools.count())
+    from torch.utils.data import DataLoader
+
+    from ..input import _PlanSampler
+
+    sampler = _PlanSampler(batch_plan(spec, world), rank)
+    return iter(DataLoader(SlowSamples(spec), batch_sampler=sampler, num_workers=spec["input_workers"]))
+
+
+def input_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    return run_raw({**spec, "steps": spec["input_steps"]}, work)

@@ -1,0 +1,250 @@
+"""The figures: what each one reads from a contender's run, its target, the summary of
+all runs (medians, ratios, targets met), and how the report is printed."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from .faults import DOUBLE_KILL_GAP_S, FAULT_TITLES, FAULTS, FAULTS_COLLECTIVE_TIMEOUT_S, fault_plan
+from .spec import CONTENDERS, BenchSpec, rate
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    title: str
+    unit: str
+    better: str  # "lower" | "higher"
+    contenders: tuple[str, ...]
+    extract: Callable[[dict[str, Any]], float | None]
+    """Value of one contender run (None: the run does not measure it)."""
+    target: str | None = None
+    target_check: Callable[[dict[str, float], dict[str, float]], bool] | None = None
+    """(medians, ratios) -> met; not called while a value it reads is missing."""
+    scenario: str = "train"
+    """The measurement that produces it (BenchSpec.scenarios)."""
+    met_in_run: Callable[[dict[str, Any]], bool] | None = None
+    """Whether one run met the target, where the target holds for every run (not for the
+    median): target_met is then whether all did, and met_runs says how many."""
+    fmt: Callable[[float], str] | None = None
+    """How the table shows a value, if not as a number."""
+
+
+def _train_run(run: dict[str, Any]) -> bool:
+    """Whether a run is a plain training run (not a kill run, the checkpoint-stall measurement, ...)."""
+    return "step_times" in run and run.get("scenario", "train") == "train"
+
+
+def start_to_first_step(run: dict[str, Any]) -> float | None:
+    return run["step_times"][0] - run["launched"] if _train_run(run) else None
+
+
+def steady_steps_per_s(run: dict[str, Any]) -> float | None:
+    return rate(run["step_times"], run["warmup_fraction"]) if _train_run(run) else None
+
+
+def input_steps_per_s(run: dict[str, Any]) -> float | None:
+    if run.get("scenario") != "input":
+        return None
+    return rate(run["step_times"], run["warmup_fraction"])
+
+
+def _loader_speedup(run: dict[str, Any]) -> float | None:
+    if run.get("scenario") != "input" or "no_loaders_steps_per_s" not in run:
+        return None
+    return input_steps_per_s(run) / run["no_loaders_steps_per_s"]
+
+
+def _recovery_of(run: dict[str, Any], fault: int) -> dict[str, Any] | None:
+    """The recovery that followed fault `fault` of a faults run (None: none did, or not a faults run)."""
+    return next((r for r in run.get("recoveries", ()) if r["fault_index"] == fault), None)
+
+
+def _fault_figures(i: int, kind: str, ranks: tuple[int, ...]) -> tuple[Figure, Figure]:
+    who = " and ".join("the last rank" if r == -1 else f"rank {r}" for r in ranks)
+    name = f"fault {i + 1} ({FAULT_TITLES[kind].format(who)})"
+
+    def value(key: str) -> Callable[[dict[str, Any]], float | None]:
+        return lambda run: (rec := _recovery_of(run, i)) and rec[key]
+
+    return (
+        Figure(f"fault_{i + 1}_to_first_step_s", f"{name}: fault to first step after recovery", "s", "lower",
+               ("raytrainer",), value("fault_to_first_step_s"),
+               target="<= step_timeout_s + 3 s" if kind == "freeze" else "<= 3 s",
+               met_in_run=lambda run: (r := _recovery_of(run, i))["fault_to_first_step_s"] <= r["goal_s"],
+               scenario="faults"),
+        Figure(f"fault_{i + 1}_steps_lost", f"{name}: steps lost", "steps", "lower", ("raytrainer",),
+               value("steps_lost"), target="<= 1 step", met_in_run=lambda run: _recovery_of(run, i)["steps_lost"] <= 1,
+               scenario="faults"),
+    )
+
+
+FIGURES = (
+    Figure("start_to_first_step_s", "process start to first finished step", "s", "lower",
+           CONTENDERS, start_to_first_step, target="<= 1.5x raw DDP",
+           target_check=lambda m, r: r["raytrainer/raw"] <= 1.5),
+    Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
+           "higher", CONTENDERS, steady_steps_per_s, target=">= 0.95x raw DDP",
+           target_check=lambda m, r: r["raytrainer/raw"] >= 0.95),
+    # Raw DDP has no recovery: a lost worker ends its run (its column shows "-").
+    Figure("kill_to_first_step_s", "worker SIGKILL to first step after recovery", "s", "lower",
+           ("ray_train", "raytrainer"), lambda run: run.get("kill_to_first_step_s"),
+           target="<= 5 s and <= 0.25x Ray Train",
+           target_check=lambda m, r: m["raytrainer"] <= 5 and r["raytrainer/ray_train"] <= 0.25,
+           scenario="kill"),
+    Figure("steps_lost", "steps lost to a worker SIGKILL", "steps", "lower",
+           ("ray_train", "raytrainer"), lambda run: run.get("steps_lost"), target="<= 1",
+           target_check=lambda m, r: m["raytrainer"] <= 1, scenario="kill"),
+    # Ray Train's resize restarts its whole group from the last checkpoint: see figure 3.
+    Figure("grow_pause_s", "pause to grow the group by one worker", "s", "lower",
+           ("raytrainer",), lambda run: run.get("grow_pause_s"), scenario="grow"),
+    Figure("input_steps_per_s", "steps/s on a slow dataset (I/O + decode per sample), k loader processes",
+           "steps/s", "higher", ("raw", "raytrainer"), input_steps_per_s, target=">= 0.95x raw DDP",
+           target_check=lambda m, r: r["raytrainer/raw"] >= 0.95, scenario="input"),
+    Figure("input_loader_speedup", "raytrainer steps/s on it, k loader processes over data.num_workers 0",
+           "x", "higher", ("raytrainer",), _loader_speedup, target=">= 3x",
+           target_check=lambda m, r: m["raytrainer"] >= 3, scenario="input"),
+    Figure("checkpoint_stall_sync_s", "training stall per checkpoint, sync", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s"), scenario="stall"),
+    Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s"), scenario="stall"),
+    *(fig for i, (kind, ranks) in enumerate(FAULTS) for fig in _fault_figures(i, kind, ranks)),
+    Figure("faults_bit_identical", "final weights of the faulted run against an undisturbed one",
+           "bit-identical", "higher", ("raytrainer",),
+           lambda run: float(run["bit_identical"]) if "bit_identical" in run else None,
+           target="bit-identical", met_in_run=lambda run: run["bit_identical"], scenario="faults",
+           fmt=lambda v: "yes" if v == 1 else "no"),
+)
+
+FIGURE_BY_KEY = {fig.key: fig for fig in FIGURES}
+
+
+def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) -> list[dict[str, Any]]:
+    """One entry per figure: per-contender values and medians, ratios, target. Figures of a
+    scenario not in `scenarios` (all, if None) are "not measured (not run)"."""
+    out = []
+    for fig in FIGURES:
+        entry: dict[str, Any] = {"key": fig.key, "title": fig.title, "unit": fig.unit,
+                                 "better": fig.better, "contenders": list(fig.contenders),
+                                 "target": fig.target}
+        if scenarios is not None and fig.scenario not in scenarios:
+            entry.update(status="not measured", reason=f"not run: --scenarios {fig.scenario}", values=None,
+                         medians=None, ratios=None, target_met=None)
+            out.append(entry)
+            continue
+        values = {c: [v for r in runs if r["contender"] == c and (v := fig.extract(r)) is not None]
+                  for c in fig.contenders}
+        medians = {c: statistics.median(v) for c, v in values.items() if v}
+        ratios = {f"raytrainer/{c}": medians["raytrainer"] / medians[c]
+                  for c in fig.contenders if c != "raytrainer" and medians.get(c)}
+        try:
+            met = fig.target_check(medians, ratios) if fig.target_check else None
+        except KeyError:  # a contender is missing (or its median is 0 and has no ratio)
+            met = None
+        if fig.met_in_run is not None:
+            flags = [fig.met_in_run(r) for r in runs if r.get("scenario") == fig.scenario
+                     and r.get("contender") == "raytrainer" and fig.extract(r) is not None]
+            met = all(flags) if flags else None
+            entry["met_runs"] = [sum(flags), len(flags)]
+        entry.update(status="measured", values=values, medians=medians, ratios=ratios, target_met=met)
+        out.append(entry)
+    return out
+
+
+def notes(spec: BenchSpec) -> list[str]:
+    """How the figures were measured, where the table alone cannot say."""
+    out = []
+    if "kill" in spec.scenario_list:
+        out.append(
+            f"Kill runs: {spec.kill_steps} steps each; the last rank is SIGKILLed from outside (os.kill "
+            f"of its pid by the contender's process) as soon as it starts step {spec.kill_step}, so it dies "
+            f"mid-step; both contenders checkpoint every {spec.kill_checkpoint_every} steps (Ray Train "
+            "also reports only then, FailureConfig(max_failures=1), restarting its whole group from the "
+            "last checkpoint; raytrainer with its default warm spare). Time: from the kill to the end of "
+            "rank 0's first step after the restart; steps lost: the furthest step rank 0 finished before "
+            "the failure minus the step training resumed from. Raw DDP has no recovery.")
+    if "input" in spec.scenario_list:
+        out.append(
+            f"Input runs: {spec.input_steps} steps on a dataset whose every sample costs {spec.input_io_ms:g} ms "
+            f"of I/O latency (a sleep) and {spec.input_decode_rounds} 64x64 matrix products of decoding; "
+            f"k={spec.input_workers} loader processes per rank: raw DDP with DataLoader(num_workers=k) (its "
+            "default start method, fork) and the BatchPlan's index lists as batch_sampler, raytrainer with "
+            f"data.num_workers: k (fork server). The speedup row divides that by raytrainer's steps/s with "
+            f"data.num_workers: 0 ({spec.input_steps_no_loaders} steps in the same contender process).")
+    if "grow" in spec.scenario_list:
+        out.append(
+            f"Grow run: {spec.workers} workers on {spec.workers} 1-CPU nodes of a local multi-node Ray "
+            f"(ray.cluster_utils), max_workers {spec.workers + 1}; once training runs a node is added. "
+            "Pause: the time from rank 0's last step at the old world size to its first at the new "
+            "one, less an ordinary step (steps are paced at 20 ms until the resize); starting the new "
+            "worker happens while training goes on. Ray Train "
+            "resizes by restarting its whole group from the last checkpoint, as after a kill (figure 3).")
+    if "faults" in spec.scenario_list:
+        plan = fault_plan(asdict(spec))
+        where = ", ".join(f"{f['fault'].replace('_', ' ')} of rank {'+'.join(map(str, f['ranks']))} at step "
+                          f"{f['step']}" for f in plan)
+        out.append(
+            f"Faults run: {spec.faults_workers} workers, {(len(FAULTS) + 1) * spec.faults_every} steps, "
+            f"failure.step_timeout_s {spec.faults_step_timeout_s:g}, collective_timeout_s "
+            f"{FAULTS_COLLECTIVE_TIMEOUT_S:g}, default warm spare, no checkpoints; "
+            f"{where}. Single kills and the freeze are failure.chaos faults with at: random (a timer "
+            "thread in the worker SIGKILLs or SIGSTOPs it at a seeded random moment of the step); the "
+            f"double kill is two os.kill(SIGKILL) by pid from the contender's process, "
+            f"{DOUBLE_KILL_GAP_S:g} s apart, once metrics.jsonl shows the step. Time: from the fault to the "
+            "end of rank 0's first step after the `recovered` event; a chaos fault's moment is taken as "
+            "rank 0's last step before the failure (no event records it), so its times may be up to one "
+            "step too long. Steps lost: the `recovered` event's. Bit-identical: the faulted run's model.pt "
+            "against an undisturbed run of the same config (same seed and world size), trained just "
+            "before it in the same process.")
+    return out
+
+
+def recovery_lines(run: dict[str, Any]) -> list[str]:
+    """One line per recovery of a faults run, with what the table leaves out."""
+    lines = []
+    for r in run["recoveries"]:
+        ranks = "+".join(str(f["rank"]) for f in r["failed"])
+        lines.append(
+            f"{r['fault'].replace('_', ' ')} of rank {ranks} at step {r['fault_step']}: detected "
+            f"{_fmt(r['detect_s'])} s after it, `recovered` after {_fmt(r['seconds'])} s "
+            f"({r['attempts']} attempt(s), state from "
+            f"{'rank ' + str(r['source_rank']) if r['source_rank'] is not None else r['state_from']}), "
+            f"first step {_fmt(r['fault_to_first_step_s'])} s after the fault, {r['steps_lost']} step(s) lost"
+            + (f"; load average {r['load']:.2f}" if r.get("load") is not None else ""))
+    lines.append(f"final weights {'bit-identical' if run['bit_identical'] else 'NOT bit-identical'} to the "
+                 f"undisturbed run's (max abs difference {run['max_abs_diff']:g})")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A Markdown table of medians and ratios (it goes into the README as is)."""
+    head = ["figure", "raw DDP", "Ray Train", "raytrainer", "raytrainer/raw", "raytrainer/Ray Train",
+            "target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fig in report["figures"]:
+        name = f"{fig['title']} ({fig['unit']})"
+        if fig["status"] != "measured":
+            cells = [name] + [f"not measured ({fig['reason']})"] + ["-"] * 4
+        else:
+            med, ratio = fig["medians"], fig["ratios"]
+            fmt = getattr(FIGURE_BY_KEY.get(fig["key"]), "fmt", None) or _fmt
+            cells = [name] + [fmt(med[c]) if c in med else "-" for c in CONTENDERS] + [
+                _fmt(ratio.get("raytrainer/raw")) + ("x" if "raytrainer/raw" in ratio else ""),
+                _fmt(ratio.get("raytrainer/ray_train")) + ("x" if "raytrainer/ray_train" in ratio else ""),
+            ]
+        target = fig["target"] or ""
+        met_runs = fig.get("met_runs")
+        if met_runs and met_runs[1] > 1:
+            target += f" (met in {met_runs[0]} of {met_runs[1]} runs)"
+        elif fig.get("target_met") is not None:
+            target += " (met)" if fig["target_met"] else " (missed)"
+        lines.append("| " + " | ".join(cells + [target]) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""Running the bench: each contender run in a fresh process (`python -m raytrainer.bench
+_contender NAME SPEC_JSON RESULT_JSON`, stopped with everything it started if it runs
+past its timeout), the repetitions interleaved, and the report put together."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from .faults import FAULTS, faults_raytrainer
+from .raw import input_raw, run_raw
+from .ray_train import kill_ray_train, run_ray_train
+from .report import input_steps_per_s, notes, recovery_lines, start_to_first_step, steady_steps_per_s, summarize
+from .rt import grow_raytrainer, input_raytrainer, kill_raytrainer, measure_checkpoint_stall, run_raytrainer
+from .spec import CONTENDERS, LABELS, PACKAGE_ROOT, BenchError, BenchSpec
+
+Runner = Callable[[dict[str, Any], Path], dict[str, Any]]
+RUNNERS: dict[str, dict[str, Runner]] = {
+    "train": {"raw": run_raw, "ray_train": run_ray_train, "raytrainer": run_raytrainer},
+    "kill": {"ray_train": kill_ray_train, "raytrainer": kill_raytrainer},
+    "grow": {"raytrainer": grow_raytrainer},
+    "input": {"raw": input_raw, "raytrainer": input_raytrainer},
+    "faults": {"raytrainer": faults_raytrainer},
+}
+"""scenario -> contender -> what its process runs; a scenario runs the contenders it names."""
+
+
+def contender_main(name: str, spec_json: str, result_path: str) -> int:
+    # SIGTERM from the parent (timeout, Ctrl-C) unwinds through the contenders' finally
+    # blocks, so the Ray this process started is shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    entered = time.time()  # the interpreter is up and raytrainer imported
+    spec = json.loads(spec_json)
+    work = Path(result_path).parent / f"{name}-work"
+    work.mkdir(parents=True, exist_ok=True)
+    out = RUNNERS[spec.get("scenario", "train")][name](spec, work)
+    out["phases"]["contender_main"] = entered
+    Path(result_path).write_text(json.dumps(out))
+    return 0
+
+
+def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train") -> dict[str, Any]:
+    """Run one contender in a fresh process; return its result with the launch time."""
+    result_path = tmp / (f"{name}-{rep}" if scenario == "train" else f"{name}-{scenario}-{rep}") / "result.json"
+    result_path.parent.mkdir(parents=True)
+    log_path = result_path.parent / "log.txt"
+    env = dict(os.environ)
+    # Workers (spawned or Ray actors) must import this raytrainer, whatever else is installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Each contender starts a Ray of its own (what the start-up figure measures), never one
+    # it finds running on the machine; the grow scenario names its cluster's address.
+    env["RAY_ADDRESS"] = "local"
+    cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
+           json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
+    # Other work on the machine skews every figure: keep the load next to each run.
+    load_before = os.getloadavg()[0]
+    with open(log_path, "w") as log:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(result_path.parent), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:  # also on Ctrl-C: stop it and everything it started
+            stop(proc)
+    if rc != 0 or not result_path.exists():
+        why = f"timed out after {spec.timeout_s:g} s" if rc is None else f"exited with status {rc}"
+        tail = log_path.read_text()[-3000:]
+        raise BenchError(f"bench contender {LABELS[name]} {why}; the end of its log "
+                         f"({log_path}):\n{tail}")
+    result = json.loads(result_path.read_text())
+    if not result.get("step_times"):
+        raise BenchError(f"bench contender {LABELS[name]} recorded no step")
+    result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
+                  load_before=load_before, warmup_fraction=spec.warmup_fraction)
+    return result
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the contender's session (it shuts its Ray down), then SIGKILL what is left."""
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return  # the whole session is gone
+        if proc.poll() is None:
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            # The contender exited but something it started may linger in its session.
+            time.sleep(0.2 if sig == signal.SIGTERM else 0)
+
+
+def machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__,
+            "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1 (default)")}
+
+
+RUN_ORDER = ("train", "kill", "grow", "input", "faults")
+"""The order the scenarios with contender processes run in, in each repetition; the
+checkpoint stall is measured after them, in this process."""
+
+
+def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
+    return {
+        "train": LABELS[name],
+        "kill": f"{LABELS[name]}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
+        "grow": f"{LABELS[name]}, a node joins, {spec.workers} -> {spec.workers + 1} workers",
+        "input": f"{LABELS[name]}, a slow dataset, {spec.input_workers} loader processes per rank",
+        "faults": f"{LABELS[name]}, {spec.faults_workers} workers, an undisturbed run, then one with "
+                  f"{len(FAULTS)} faults {spec.faults_every} steps apart",
+    }[scenario]
+
+
+def _outcome(scenario: str, run: dict[str, Any]) -> list[str]:
+    if scenario == "train":
+        return [f"first step after {start_to_first_step(run):.2f} s, {steady_steps_per_s(run):.1f} steps/s"]
+    if scenario == "kill":
+        return [f"step {run['step_at_kill']} reached, resumed from {run['resumed_from']}, "
+                f"first step {run['kill_to_first_step_s']:.2f} s after the kill"]
+    if scenario == "grow":
+        return [f"training paused {run['grow_pause_s']:.2f} s, "
+                f"{run['node_added_to_resized_s']:.1f} s after the node was added"]
+    if scenario == "input":
+        extra = (f" ({run['no_loaders_steps_per_s']:.1f} with data.num_workers 0)"
+                 if "no_loaders_steps_per_s" in run else "")
+        return [f"{input_steps_per_s(run):.1f} steps/s{extra}"]
+    return recovery_lines(run)
+
+
+def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[str], None] = print,
+              keep_in: str | Path | None = None) -> dict[str, Any]:
+    """Run every contender `spec.repetitions` times, interleaved; return (and write) the report.
+
+    The contenders' logs and run directories go to a temporary directory, or are
+    kept in `keep_in` (raytrainer's run directory is then in each run's "run_dir")."""
+    started = time.time()
+    scenarios = spec.scenario_list
+    with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
+          else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp:
+        runs = []
+        for rep in range(spec.repetitions):
+            order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
+            for scenario in (s for s in RUN_ORDER if s in scenarios):
+                for name in (c for c in order if c in RUNNERS[scenario]):
+                    log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
+                    run = launch(name, spec, rep, Path(tmp), scenario=scenario)
+                    for line in _outcome(scenario, run):
+                        log(f"bench:   {line}")
+                    if keep_in is None:  # about to be deleted
+                        run.pop("run_dir", None)
+                        run.pop("undisturbed_run_dir", None)
+                    runs.append(run)
+            if "stall" in scenarios:
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
+                    f"{spec.checkpoint_mb} MB model ...")
+                runs.append({**measure_checkpoint_stall(spec.checkpoint_mb, Path(tmp) / f"stall-{rep}"),
+                             "scenario": "stall"})
+    report = {
+        "command": " ".join(["raytrainer bench", *_spec_args(spec)]),
+        "machine": machine(),
+        "settings": asdict(spec),
+        "contenders": LABELS,
+        "figures": summarize(runs, scenarios),
+        "notes": notes(spec),
+        "runs": runs,
+        "seconds": round(time.time() - started, 1),
+    }
+    if out is not None:
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _spec_args(spec: BenchSpec) -> list[str]:
+    default = BenchSpec()
+    return [f"--{k.replace('_', '-')} {v}" for k, v in asdict(spec).items()
+            if v != getattr(default, k) and k != "warmup_fraction"]

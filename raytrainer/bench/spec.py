@@ -1,0 +1,135 @@
+"""The bench's settings: BenchSpec (every flag of `raytrainer bench`), its smoke values,
+the scenarios and the contenders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, RaytrainerError
+
+CONTENDERS = ("raw", "ray_train", "raytrainer")
+LABELS = {"raw": "raw DDP", "ray_train": "Ray Train", "raytrainer": "raytrainer"}
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
+"""The folder that holds this raytrainer package: contenders' workers import it from there."""
+SCENARIOS = ("train", "kill", "stall", "grow", "input", "faults")
+
+
+class BenchError(RaytrainerError):
+    """A contender failed or timed out; the message carries the tail of its log."""
+
+
+@dataclass(kw_only=True)
+class BenchSpec:
+    workers: int = 2
+    hidden: int = 256
+    """Width of the MLP's hidden layers."""
+    layers: int = 2
+    """Number of hidden layers."""
+    in_dim: int = 32
+    global_batch_size: int = 64
+    samples: int = 4096
+    steps: int = 300
+    """Optimizer steps for raw DDP and raytrainer."""
+    ray_train_steps: int = 20
+    """Ray Train's report() waits for its controller's 2 s poll, so it manages about
+    0.5 steps/s; 300 steps would take 10 minutes per repetition for the same rate."""
+    repetitions: int = 3
+    warmup_fraction: float = 0.1
+    """Leading share of the steps left out of steps/s (allocator, caches, first collectives)."""
+    timeout_s: float = 600.0
+    """Per contender run; a run past it is killed and the bench fails."""
+    seed: int = 0
+    checkpoint_mb: int = 64
+    """Model size for the checkpoint-stall figures (optimizer state adds twice as much)."""
+    kill_steps: int = 400
+    """Optimizer steps of the kill runs (Ray Train and raytrainer alike)."""
+    kill_step: int = 325
+    """The last worker is SIGKILLed from outside once it starts this step: warm by then
+    (raytrainer's warm spare has imported torch), and mid-way between two checkpoints."""
+    kill_checkpoint_every: int = 50
+    """Both contenders checkpoint every this many steps in the kill runs (Ray Train also
+    reports only then: its report() costs about 2 s)."""
+    grow_steps: int = 2000
+    """Optimizer steps of the grow run; paced at 20 ms a step or more until the group has
+    grown (adding a node takes seconds), then free."""
+    input_steps: int = 150
+    """Optimizer steps of the input runs with loader processes (raw DDP and raytrainer)."""
+    input_steps_no_loaders: int = 40
+    """Optimizer steps of raytrainer's input run with data.num_workers 0 (each is slow)."""
+    input_workers: int = 4
+    """Loader processes per rank in the input runs (raw DDP's DataLoader num_workers too)."""
+    input_io_ms: float = 2.0
+    """I/O latency of one sample in the input runs (a sleep: no CPU)."""
+    input_decode_rounds: int = 4
+    """Decoding CPU of one sample: 64x64 matrix products (about 15 us each on a laptop core)."""
+    faults_workers: int = 3
+    """Workers of the faults runs: 3, so that a double kill leaves a survivor holding the state."""
+    faults_every: int = 1000
+    """Steps between the faults of the faults run (the first at this step; the run is six
+    times as long): enough for each recovery, and the warm spare after it, to be done
+    before the next fault."""
+    faults_step_timeout_s: float = 3.0
+    """failure.step_timeout_s of the faults runs: how long a frozen worker goes unnoticed."""
+    scenarios: str = "train,kill,stall,grow,input,faults"
+    """Which measurements to run: train (start-up, steps/s), kill (worker SIGKILL),
+    stall (checkpoint stall), grow (elastic grow by one worker), input (a slow dataset
+    through loader processes), faults (five faults in one run, against an undisturbed
+    one); comma-separated."""
+
+    def __post_init__(self):
+        for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
+                    "steps", "ray_train_steps", "repetitions", "checkpoint_mb", "kill_steps", "kill_step",
+                    "kill_checkpoint_every", "grow_steps", "input_steps", "input_steps_no_loaders",
+                    "input_workers", "faults_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
+        if self.input_io_ms < 0 or self.input_decode_rounds < 0:
+            raise ConfigError("bench --input-io-ms and --input-decode-rounds must be >= 0")
+        for key in ("steps", "ray_train_steps", "input_steps", "input_steps_no_loaders"):
+            if getattr(self, key) < 2:
+                raise ConfigError(f"bench --{key.replace('_', '-')} must be >= 2 to measure a rate")
+        if self.global_batch_size % self.workers:
+            raise ConfigError(
+                f"bench --global-batch-size={self.global_batch_size} must be a multiple of "
+                f"--workers={self.workers}"
+            )
+        if self.samples < self.global_batch_size:
+            raise ConfigError(f"bench --samples={self.samples} must be >= --global-batch-size")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError("bench warmup_fraction must be in [0, 1)")
+        if self.timeout_s <= 0:
+            raise ConfigError("bench --timeout-s must be > 0")
+        if self.faults_workers < 3:
+            raise ConfigError(f"bench --faults-workers={self.faults_workers} must be >= 3: a double kill "
+                              "must leave a survivor")
+        if self.faults_step_timeout_s <= 0:
+            raise ConfigError("bench --faults-step-timeout-s must be > 0")
+        unknown = set(self.scenario_list) - set(SCENARIOS)
+        if unknown or not self.scenario_list:
+            raise ConfigError(f"bench --scenarios={self.scenarios!r}: choose from {', '.join(SCENARIOS)}")
+        if "kill" in self.scenario_list:
+            if self.workers < 2:
+                raise ConfigError("bench --scenarios kill needs --workers >= 2: a worker must survive")
+            if not 1 < self.kill_step < self.kill_steps:
+                raise ConfigError(f"bench --kill-step={self.kill_step} must be in (1, --kill-steps="
+                                  f"{self.kill_steps})")
+
+    @property
+    def scenario_list(self) -> list[str]:
+        return [s for s in self.scenarios.split(",") if s]
+
+    def steps_for(self, contender: str) -> int:
+        return self.ray_train_steps if contender == "ray_train" else self.steps
+
+
+SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
+             checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10, input_steps=8,
+             input_steps_no_loaders=3, input_workers=2, faults_every=250)
+
+
+def rate(times: list[float], warmup_fraction: float) -> float:
+    """Steps/s over the step times, less the leading warm-up share."""
+    skip = min(int(len(times) * warmup_fraction), len(times) - 2)
+    window = times[skip:]
+    return (len(window) - 1) / max(window[-1] - window[0], 1e-9)
