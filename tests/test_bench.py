@@ -1,16 +1,20 @@
 """`raytrainer bench` in smoke mode: every contender really runs, every figure is reported,
 and nothing the bench started is left running."""
 
+import argparse
 import json
 import os
 import time
 import uuid
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
 
 from raytrainer import bench
+from raytrainer.bench import rt
 from raytrainer.bench.faults import recoveries
+from raytrainer.bench.raw import run_raw
 from raytrainer.bench.report import input_steps_per_s, start_to_first_step, steady_steps_per_s
 from raytrainer.bench.run import launch
 from raytrainer.cli import main
@@ -166,6 +170,48 @@ def test_bad_settings_are_clear_errors(capsys):
         bench.BenchSpec(faults_workers=2)
     assert main(["bench", "--steps", "1"]) == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--strategy='zero': choose from ddp, fsdp"):
+        bench.BenchSpec(strategy="zero")
+    with pytest.raises(ConfigError, match="--strategy fsdp measures the train scenario only"):
+        bench.BenchSpec(strategy="fsdp")
+    # On the command line, --strategy fsdp alone measures the train scenario.
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    spec = bench.spec_from_args(parser.parse_args(["--strategy", "fsdp", "--smoke"]))
+    assert (spec.strategy, spec.scenarios, spec.labels) == ("fsdp", "train", {"raw": "raw FSDP2",
+                                                                              "raytrainer": "raytrainer"})
+    # raytrainer's config names the strategy only when it is not DDP.
+    trainer = {s: rt.config(asdict(bench.BenchSpec(**{**bench.SMOKE, "strategy": s, "scenarios": "train"})),
+                            Path("work"), "bench", 6)["trainer"] for s in ("ddp", "fsdp")}
+    assert "strategy" not in trainer["ddp"] and trainer["fsdp"]["strategy"] == "fsdp"
+
+
+def test_raw_fsdp2_trains_the_same_job_as_raw_ddp(tmp_path):
+    """The raw FSDP2 contender (fully_shard on each Linear and the root, Gloo): the same
+    data, batches and SGD as raw DDP, so the same loss after its steps, to float tolerance."""
+    spec = {**asdict(bench.BenchSpec(**bench.SMOKE)), "scenario": "train"}
+    ddp = run_raw(spec, tmp_path)
+    fsdp = run_raw({**spec, "strategy": "fsdp"}, tmp_path)
+    assert len(fsdp["step_times"]) == spec["steps"] and fsdp["threads"] == 1
+    assert fsdp["last_loss"] == pytest.approx(ddp["last_loss"], rel=1e-4)
+
+
+def test_fsdp_bench_against_raw_fsdp2(tmp_path, tagged):
+    """`raytrainer bench --strategy fsdp`: raw FSDP2 against raytrainer's FSDP2, train only."""
+    from raytrainer.config import TrainerConfig
+
+    if "strategy" not in {f.name for f in fields(TrainerConfig)}:
+        pytest.skip("this raytrainer has no trainer.strategy yet")
+    spec = bench.BenchSpec(**{**bench.SMOKE, "strategy": "fsdp", "scenarios": "train"})
+    report = bench.run_bench(spec, keep_in=tmp_path / "work")
+    assert_nothing_left(tagged)
+    runs = {r["contender"]: r for r in report["runs"]}
+    assert sorted(runs) == ["raw", "raytrainer"] and report["contenders"]["raw"] == "raw FSDP2"
+    assert all(len(r["step_times"]) == spec.steps for r in runs.values())
+    assert runs["raytrainer"]["last_loss"] == pytest.approx(runs["raw"]["last_loss"], rel=1e-4)
+    steps = {f["key"]: f for f in report["figures"]}["steps_per_s"]
+    assert steps["status"] == "measured" and steps["ratios"]["raytrainer/raw"] > 0
+    assert "| figure | raw FSDP2 | Ray Train |" in bench.format_table(report)
 
 
 def test_figures_from_timestamps():

@@ -35,6 +35,8 @@ OPTIONS: dict[str, str | None] = {
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
                  "(five faults in one run)",
     "timeout_s": "per contender run",
+    "strategy": "ddp, or fsdp: raw FSDP2 against raytrainer with trainer.strategy: fsdp (the train "
+                "scenario only; --scenarios defaults to train then)",
 }
 """The BenchSpec fields the command line sets (--kebab-case of the name), with their help."""
 
@@ -51,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     values = {key: getattr(args, key) for key in OPTIONS}
+    if values["strategy"] != "ddp" and values["scenarios"] == BenchSpec().scenarios:
+        values["scenarios"] = "train"  # what a strategy other than DDP measures
     if args.smoke:
         default = BenchSpec()
         values.update({k: v for k, v in SMOKE.items() if values[k] == getattr(default, k)})

@@ -1,5 +1,6 @@
-"""Raw torch DDP, the floor: `torch.multiprocessing` spawns the ranks, a Gloo group over
-TCP, a plain loop; rank 0 puts every step's loss on a queue the driver reads."""
+"""Raw torch DDP (or FSDP2, with --strategy fsdp), the floor: `torch.multiprocessing`
+spawns the ranks, a Gloo group over TCP, a plain loop; rank 0 puts every step's loss on
+a queue the driver reads."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                 p.kill()
                 p.join()
     if not done:
-        raise BenchError("raw DDP workers exited before finishing")
+        raise BenchError(f"raw {spec.get('strategy', 'ddp').upper()} workers exited before finishing")
     return {"step_times": [t for _, _, t in rows], "last_loss": rows[-1][1], "phases": phases,
             "threads": phases.pop("threads", None)}
 
@@ -57,7 +58,6 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     world = spec["workers"]
     torch.set_num_threads(1)  # as Ray does for a 1-CPU actor (OMP_NUM_THREADS=1)
@@ -67,7 +67,7 @@ def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
             metrics.put(("phase", "group_formed", time.time()))
             metrics.put(("phase", "threads", torch.get_num_threads()))
         torch.manual_seed(spec["seed"])
-        model = DistributedDataParallel(build_mlp(spec))
+        model = _parallel(build_mlp(spec), spec.get("strategy", "ddp"), world)
         optimizer = make_optimizer(model)
         for step, (xb, yb) in zip(range(spec["steps"]), _raw_batches(spec, rank, world)):
             loss = sgd_step(model, optimizer, xb, yb)
@@ -78,6 +78,24 @@ def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
             metrics.put(("done",))
     finally:
         dist.destroy_process_group()
+
+
+def _parallel(model, strategy: str, world: int):
+    """DDP; or FSDP2 as raytrainer's sharded.shard_model does it: fully_shard on each child
+    that holds parameters (the Linears), then on the root."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    if strategy == "ddp":
+        return DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _raw_batches(spec: dict[str, Any], rank: int, world: int):

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .faults import DOUBLE_KILL_GAP_S, FAULT_TITLES, FAULTS, FAULTS_COLLECTIVE_TIMEOUT_S, fault_plan
-from .spec import CONTENDERS, BenchSpec, rate
+from .spec import CONTENDERS, LABELS, BenchSpec, rate
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,11 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) ->
 def notes(spec: BenchSpec) -> list[str]:
     """How the figures were measured, where the table alone cannot say."""
     out = []
+    if spec.strategy == "fsdp":
+        out.append(
+            "Strategy fsdp: raw FSDP2 (torch.multiprocessing, fully_shard on each Linear and on the root, "
+            "Gloo) against raytrainer with trainer.strategy: fsdp, the same job; Ray Train is not run. "
+            "The raw column and the ratios to raw are raw FSDP2's.")
     if "kill" in spec.scenario_list:
         out.append(
             f"Kill runs: {spec.kill_steps} steps each; the last rank is SIGKILLed from outside (os.kill "
@@ -226,8 +231,8 @@ def _fmt(value: float | None) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """A Markdown table of medians and ratios (it goes into the README as is)."""
-    head = ["figure", "raw DDP", "Ray Train", "raytrainer", "raytrainer/raw", "raytrainer/Ray Train",
-            "target"]
+    raw = report.get("contenders", LABELS)["raw"]  # raw FSDP2 with --strategy fsdp
+    head = ["figure", raw, "Ray Train", "raytrainer", "raytrainer/raw", "raytrainer/Ray Train", "target"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for fig in report["figures"]:
         name = f"{fig['title']} ({fig['unit']})"
@@ -240,7 +245,7 @@ def format_table(report: dict[str, Any]) -> str:
                 _fmt(ratio.get("raytrainer/raw")) + ("x" if "raytrainer/raw" in ratio else ""),
                 _fmt(ratio.get("raytrainer/ray_train")) + ("x" if "raytrainer/ray_train" in ratio else ""),
             ]
-        target = fig["target"] or ""
+        target = (fig["target"] or "").replace(LABELS["raw"], raw)
         met_runs = fig.get("met_runs")
         if met_runs and met_runs[1] > 1:
             target += f" (met in {met_runs[0]} of {met_runs[1]} runs)"

@@ -26,7 +26,9 @@ def config(spec: dict[str, Any], work: Path, name: str, steps: int, *, workers: 
     return {
         "task": {"target": TASK_TARGET, "args": {**spec, **(task_args or {})}},
         "trainer": {"max_steps": steps, "global_batch_size": spec["global_batch_size"],
-                    "seed": spec["seed"], "log_every_n_steps": 1},  # every step's metrics to the driver
+                    "seed": spec["seed"], "log_every_n_steps": 1,  # every step's metrics to the driver
+                    # Named only when not the default: a raytrainer without the key still runs DDP.
+                    **({"strategy": spec["strategy"]} if spec.get("strategy", "ddp") != "ddp" else {})},
         "scaling": {"num_workers": workers or spec["workers"], "use_gpu": False, "backend": "gloo",
                     **(scaling or {})},
         **sections,

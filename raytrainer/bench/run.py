@@ -22,7 +22,7 @@ from .raw import input_raw, run_raw
 from .ray_train import kill_ray_train, run_ray_train
 from .report import input_steps_per_s, notes, recovery_lines, start_to_first_step, steady_steps_per_s, summarize
 from .rt import grow_raytrainer, input_raytrainer, kill_raytrainer, measure_checkpoint_stall, run_raytrainer
-from .spec import CONTENDERS, LABELS, PACKAGE_ROOT, BenchError, BenchSpec
+from .spec import CONTENDERS, PACKAGE_ROOT, BenchError, BenchSpec
 
 Runner = Callable[[dict[str, Any], Path], dict[str, Any]]
 RUNNERS: dict[str, dict[str, Runner]] = {
@@ -78,11 +78,11 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     if rc != 0 or not result_path.exists():
         why = f"timed out after {spec.timeout_s:g} s" if rc is None else f"exited with status {rc}"
         tail = log_path.read_text()[-3000:]
-        raise BenchError(f"bench contender {LABELS[name]} {why}; the end of its log "
+        raise BenchError(f"bench contender {spec.labels[name]} {why}; the end of its log "
                          f"({log_path}):\n{tail}")
     result = json.loads(result_path.read_text())
     if not result.get("step_times"):
-        raise BenchError(f"bench contender {LABELS[name]} recorded no step")
+        raise BenchError(f"bench contender {spec.labels[name]} recorded no step")
     result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
                   load_before=load_before, warmup_fraction=spec.warmup_fraction)
     return result
@@ -128,12 +128,13 @@ checkpoint stall is measured after them, in this process."""
 
 
 def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
+    label = spec.labels[name]
     return {
-        "train": LABELS[name],
-        "kill": f"{LABELS[name]}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
-        "grow": f"{LABELS[name]}, a node joins, {spec.workers} -> {spec.workers + 1} workers",
-        "input": f"{LABELS[name]}, a slow dataset, {spec.input_workers} loader processes per rank",
-        "faults": f"{LABELS[name]}, {spec.faults_workers} workers, an undisturbed run, then one with "
+        "train": label,
+        "kill": f"{label}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
+        "grow": f"{label}, a node joins, {spec.workers} -> {spec.workers + 1} workers",
+        "input": f"{label}, a slow dataset, {spec.input_workers} loader processes per rank",
+        "faults": f"{label}, {spec.faults_workers} workers, an undisturbed run, then one with "
                   f"{len(FAULTS)} faults {spec.faults_every} steps apart",
     }[scenario]
 
@@ -168,7 +169,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
             for scenario in (s for s in RUN_ORDER if s in scenarios):
-                for name in (c for c in order if c in RUNNERS[scenario]):
+                for name in (c for c in order if c in RUNNERS[scenario] and c in spec.labels):
                     log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
                     run = launch(name, spec, rep, Path(tmp), scenario=scenario)
                     for line in _outcome(scenario, run):
@@ -186,7 +187,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
         "command": " ".join(["raytrainer bench", *_spec_args(spec)]),
         "machine": machine(),
         "settings": asdict(spec),
-        "contenders": LABELS,
+        "contenders": spec.labels,
         "figures": summarize(runs, scenarios),
         "notes": notes(spec),
         "runs": runs,

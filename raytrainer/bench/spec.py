@@ -13,6 +13,7 @@ LABELS = {"raw": "raw DDP", "ray_train": "Ray Train", "raytrainer": "raytrainer"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 """The folder that holds this raytrainer package: contenders' workers import it from there."""
 SCENARIOS = ("train", "kill", "stall", "grow", "input", "faults")
+STRATEGIES = ("ddp", "fsdp")
 
 
 class BenchError(RaytrainerError):
@@ -76,6 +77,9 @@ class BenchSpec:
     stall (checkpoint stall), grow (elastic grow by one worker), input (a slow dataset
     through loader processes), faults (five faults in one run, against an undisturbed
     one); comma-separated."""
+    strategy: str = "ddp"
+    """ddp, or fsdp: FSDP2 (fully_shard on each Linear and on the root) in raw torch against
+    raytrainer with trainer.strategy: fsdp; the train scenario only, without Ray Train."""
 
     def __post_init__(self):
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
@@ -108,6 +112,11 @@ class BenchSpec:
         unknown = set(self.scenario_list) - set(SCENARIOS)
         if unknown or not self.scenario_list:
             raise ConfigError(f"bench --scenarios={self.scenarios!r}: choose from {', '.join(SCENARIOS)}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"bench --strategy={self.strategy!r}: choose from {', '.join(STRATEGIES)}")
+        if self.strategy != "ddp" and self.scenario_list != ["train"]:
+            raise ConfigError(f"bench --strategy {self.strategy} measures the train scenario only: "
+                              "pass --scenarios train")
         if "kill" in self.scenario_list:
             if self.workers < 2:
                 raise ConfigError("bench --scenarios kill needs --workers >= 2: a worker must survive")
@@ -118,6 +127,13 @@ class BenchSpec:
     @property
     def scenario_list(self) -> list[str]:
         return [s for s in self.scenarios.split(",") if s]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The contenders this strategy has, by name, with their labels."""
+        if self.strategy == "fsdp":  # Ray Train has no FSDP2 of its own to set against
+            return {"raw": "raw FSDP2", "raytrainer": LABELS["raytrainer"]}
+        return LABELS
 
     def steps_for(self, contender: str) -> int:
         return self.ray_train_steps if contender == "ray_train" else self.steps
