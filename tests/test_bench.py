@@ -16,7 +16,7 @@ from raytrainer.bench import rt
 from raytrainer.bench.faults import recoveries
 from raytrainer.bench.raw import run_raw
 from raytrainer.bench.report import input_steps_per_s, start_to_first_step, steady_steps_per_s
-from raytrainer.bench.run import launch
+from raytrainer.bench.run import _in_parallel, launch
 from raytrainer.cli import main
 from raytrainer.errors import ConfigError
 from raytrainer.plot import plot_runs
@@ -184,6 +184,26 @@ def test_bad_settings_are_clear_errors(capsys):
     trainer = {s: rt.config(asdict(bench.BenchSpec(**{**bench.SMOKE, "strategy": s, "scenarios": "train"})),
                             Path("work"), "bench", 6)["trainer"] for s in ("ddp", "fsdp")}
     assert "strategy" not in trainer["ddp"] and trainer["fsdp"]["strategy"] == "fsdp"
+
+
+def test_runs_in_parallel_keep_their_order_and_the_first_error_stops_the_rest():
+    import threading
+
+    cancel = threading.Event()
+    assert _in_parallel(lambda s, n: {"run": (s, n)}, [("a", "x"), ("b", "y")], 2, cancel) == [
+        {"run": ("a", "x")}, {"run": ("b", "y")}]
+    started = []
+
+    def one(scenario, name):
+        started.append(name)
+        if name == "bad":
+            raise bench.BenchError("bad failed")
+        assert cancel.wait(10), "the failure did not cancel the run going beside it"
+        return {}
+
+    with pytest.raises(bench.BenchError, match="bad failed"):
+        _in_parallel(one, [("s", "slow"), ("s", "bad"), ("s", "queued")], 2, cancel)
+    assert "queued" not in started
 
 
 def test_raw_fsdp2_trains_the_same_job_as_raw_ddp(tmp_path):

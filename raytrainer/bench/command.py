@@ -35,6 +35,8 @@ OPTIONS: dict[str, str | None] = {
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
                  "(five faults in one run)",
     "timeout_s": "per contender run",
+    "parallel": "contender runs at a time (above 1 their figures mean nothing: for checking that the "
+                "bench works)",
     "strategy": "ddp, or fsdp: raw FSDP2 against raytrainer with trainer.strategy: fsdp (the train "
                 "scenario only; --scenarios defaults to train then)",
 }

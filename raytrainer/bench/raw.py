@@ -67,7 +67,7 @@ def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
             metrics.put(("phase", "group_formed", time.time()))
             metrics.put(("phase", "threads", torch.get_num_threads()))
         torch.manual_seed(spec["seed"])
-        model = _parallel(build_mlp(spec), spec.get("strategy", "ddp"), world)
+        model = _wrap(build_mlp(spec), spec.get("strategy", "ddp"), world)
         optimizer = make_optimizer(model)
         for step, (xb, yb) in zip(range(spec["steps"]), _raw_batches(spec, rank, world)):
             loss = sgd_step(model, optimizer, xb, yb)
@@ -80,7 +80,7 @@ def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
         dist.destroy_process_group()
 
 
-def _parallel(model, strategy: str, world: int):
+def _wrap(model, strategy: str, world: int):
     """DDP; or FSDP2 as raytrainer's sharded.shard_model does it: fully_shard on each child
     that holds parameters (the Linears), then on the root."""
     import torch

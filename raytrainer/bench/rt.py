@@ -53,11 +53,18 @@ def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None
 
 def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     """With data.num_workers 0 first (the steps/s without loader processes), then with
-    input_workers loader processes per rank: the run whose step times are reported."""
-    none = run_raytrainer({**spec, "steps": spec["input_steps_no_loaders"]}, work / "no-loaders",
-                          {"num_workers": 0})
-    out = run_raytrainer({**spec, "steps": spec["input_steps"]}, work / "loaders",
-                         {"num_workers": spec["input_workers"]})
+    input_workers loader processes per rank: the run whose step times are reported. Both
+    on one local Ray (started as raytrainer.train would): the figures are steady-state rates."""
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    try:
+        none = run_raytrainer({**spec, "steps": spec["input_steps_no_loaders"]}, work / "no-loaders",
+                              {"num_workers": 0})
+        out = run_raytrainer({**spec, "steps": spec["input_steps"]}, work / "loaders",
+                             {"num_workers": spec["input_workers"]})
+    finally:
+        ray.shutdown()
     out["no_loaders_steps_per_s"] = rate(none["step_times"], spec["warmup_fraction"])
     out["no_loaders_step_times"] = none["step_times"]
     return out

@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -49,8 +51,10 @@ def contender_main(name: str, spec_json: str, result_path: str) -> int:
     return 0
 
 
-def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train") -> dict[str, Any]:
-    """Run one contender in a fresh process; return its result with the launch time."""
+def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train",
+           cancel: threading.Event | None = None) -> dict[str, Any]:
+    """Run one contender in a fresh process; return its result with the launch time. It is
+    stopped past spec.timeout_s, or once `cancel` is set (another run of the bench failed)."""
     result_path = tmp / (f"{name}-{rep}" if scenario == "train" else f"{name}-{scenario}-{rep}") / "result.json"
     result_path.parent.mkdir(parents=True)
     log_path = result_path.parent / "log.txt"
@@ -70,13 +74,12 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(result_path.parent), start_new_session=True)
         try:
-            rc = proc.wait(timeout=spec.timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
+            rc = _wait(proc, launched + spec.timeout_s, cancel)
         finally:  # also on Ctrl-C: stop it and everything it started
             stop(proc)
     if rc != 0 or not result_path.exists():
-        why = f"timed out after {spec.timeout_s:g} s" if rc is None else f"exited with status {rc}"
+        why = ("stopped: another contender run failed" if rc is None and cancel is not None and cancel.is_set()
+               else f"timed out after {spec.timeout_s:g} s" if rc is None else f"exited with status {rc}")
         tail = log_path.read_text()[-3000:]
         raise BenchError(f"bench contender {spec.labels[name]} {why}; the end of its log "
                          f"({log_path}):\n{tail}")
@@ -86,6 +89,16 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
                   load_before=load_before, warmup_fraction=spec.warmup_fraction)
     return result
+
+
+def _wait(proc: subprocess.Popen, deadline: float, cancel: threading.Event | None) -> int | None:
+    """The process's exit status, or None at the deadline (wall clock) or once `cancel` is set."""
+    while (left := deadline - time.time()) > 0 and not (cancel is not None and cancel.is_set()):
+        try:
+            return proc.wait(timeout=min(left, 0.5) if cancel is not None else left)
+        except subprocess.TimeoutExpired:
+            pass
+    return None
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -163,21 +176,32 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
     kept in `keep_in` (raytrainer's run directory is then in each run's "run_dir")."""
     started = time.time()
     scenarios = spec.scenario_list
+    cancel = threading.Event()  # set on the way out: contender runs still going stop
     with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
           else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp:
         runs = []
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
-            for scenario in (s for s in RUN_ORDER if s in scenarios):
-                for name in (c for c in order if c in RUNNERS[scenario] and c in spec.labels):
-                    log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
-                    run = launch(name, spec, rep, Path(tmp), scenario=scenario)
-                    for line in _outcome(scenario, run):
-                        log(f"bench:   {line}")
-                    if keep_in is None:  # about to be deleted
-                        run.pop("run_dir", None)
-                        run.pop("undisturbed_run_dir", None)
-                    runs.append(run)
+            plan = [(scenario, name) for scenario in RUN_ORDER if scenario in scenarios
+                    for name in order if name in RUNNERS[scenario] and name in spec.labels]
+
+            def one(scenario: str, name: str) -> dict[str, Any]:
+                log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
+                run = launch(name, spec, rep, Path(tmp), scenario=scenario, cancel=cancel)
+                for line in _outcome(scenario, run):
+                    log(f"bench:   {line}")
+                if keep_in is None:  # about to be deleted
+                    run.pop("run_dir", None)
+                    run.pop("undisturbed_run_dir", None)
+                return run
+
+            if spec.parallel > 1:
+                # The longest run first, so that the others share the remaining lanes beside it.
+                first = sorted(plan, key=lambda p: p[0] != "faults")
+                done = dict(zip(first, _in_parallel(one, first, spec.parallel, cancel)))
+                runs += [done[p] for p in plan]
+            else:
+                runs += [one(*p) for p in plan]
             if "stall" in scenarios:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
                     f"{spec.checkpoint_mb} MB model ...")
@@ -196,6 +220,27 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
     if out is not None:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _in_parallel(one: Callable[..., dict[str, Any]], plan: list[tuple[str, str]], workers: int,
+                 cancel: threading.Event) -> list[dict[str, Any]]:
+    """one(*p) for each p of plan, `workers` at a time; the results in plan order. The
+    first error stops the rest (and the runs still going) and is raised."""
+    if not plan:
+        return []
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="bench-run")
+    try:
+        futures = [pool.submit(one, *p) for p in plan]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        return [f.result() for f in futures]
+    except BaseException:  # an error, or Ctrl-C here
+        cancel.set()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _spec_args(spec: BenchSpec) -> list[str]:
