@@ -36,7 +36,7 @@ OPTIONS: dict[str, str | None] = {
                  "(five faults in one run)",
     "timeout_s": "per contender run",
     "parallel": "contender runs at a time (above 1 their figures mean nothing: for checking that the "
-                "bench works; the faults run runs alone)",
+                "bench works; the kill and faults runs run one at a time)",
     "strategy": "ddp, or fsdp: raw FSDP2 against raytrainer with trainer.strategy: fsdp (the train "
                 "scenario only; --scenarios defaults to train then)",
 }

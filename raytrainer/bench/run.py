@@ -140,6 +140,10 @@ RUN_ORDER = ("train", "kill", "grow", "input", "faults")
 checkpoint stall is measured after them, in this process."""
 
 
+ALONE = ("kill", "faults")
+"""Scenarios whose runs never share the machine with another run of the bench (--parallel)."""
+
+
 def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
     label = spec.labels[name]
     return {
@@ -195,11 +199,12 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
                     run.pop("undisturbed_run_dir", None)
                 return run
 
-            # The faults run, last in RUN_ORDER, runs alone: a freeze is found by a timeout, and
-            # beside other runs its recoveries took 20 s and it timed out (load 10, 2 cores).
-            together = [p for p in plan if p[0] != "faults"] if spec.parallel > 1 else []
-            runs += _in_parallel(one, together, spec.parallel, cancel)
-            runs += [one(*p) for p in plan if p not in together]
+            # The kill and faults runs run alone, after the others: their faults must land
+            # on time. Beside other runs, the faults run's recoveries took 20 s and it timed
+            # out, and raytrainer's kill came after its last step (load 10, 2 cores).
+            together = [p for p in plan if p[0] not in ALONE] if spec.parallel > 1 else []
+            done = dict(zip(together, _in_parallel(one, together, spec.parallel, cancel)))
+            runs += [done[p] if p in done else one(*p) for p in plan]
             if "stall" in scenarios:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
                     f"{spec.checkpoint_mb} MB model ...")

@@ -80,7 +80,7 @@ class BenchSpec:
     parallel: int = 1
     """Contender runs at a time. Above 1 the runs share the machine, so their figures say
     nothing about each contender: for checking that the bench works (--smoke), not for
-    measuring. The faults run still runs alone, after the others."""
+    measuring. The kill and faults runs still run one at a time: their faults must land on time."""
     strategy: str = "ddp"
     """ddp, or fsdp: FSDP2 (fully_shard on each Linear and on the root) in raw torch against
     raytrainer with trainer.strategy: fsdp; the train scenario only, without Ray Train."""
@@ -146,8 +146,8 @@ class BenchSpec:
 SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
              checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10, input_steps=8,
              input_steps_no_loaders=3, input_workers=2, faults_every=250, parallel=2)
-"""--smoke: checks that every contender and figure works, two runs at a time (the faults
-run alone, after them)."""
+"""--smoke: checks that every contender and figure works, two runs at a time (the kill and
+faults runs one at a time)."""
 
 
 def rate(times: list[float], warmup_fraction: float) -> float:
