@@ -13,6 +13,11 @@ Phase = Literal["setup", "user", "framework", "collective"]
 data), in ours, or waiting for its peers in a collective."""
 
 
+Resume = tuple[int, str, bytes | str]
+"""A checkpoint to start from: (its step, its name, what the workers load: a torch.save'd
+state, or the URI of a sharded checkpoint's directory, where each rank reads its own)."""
+
+
 @dataclass(frozen=True)
 class Node:
     """Where a worker runs."""
@@ -95,6 +100,9 @@ class Formed:
     nodes: list[Node]
     total_steps: int | None = None
     steps_per_epoch: int | None = None
+    replicated: bool = True
+    """Every worker holds the whole training state (the strategy's answer): survivors of a
+    failure can give it to the others. Sharded state restarts from a checkpoint instead."""
 
     @property
     def world_size(self) -> int:
@@ -110,7 +118,7 @@ class Reformed:
     source: int | None
     """The rank (before the re-form) whose state every worker now has; None: the state
     was one kept from an earlier attempt of this recovery (`state_from`)."""
-    state_from: Literal["memory", "object_store"] = "memory"
+    state_from: Literal["memory", "object_store", "checkpoint"] = "memory"
     replaced: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     added: int = 0
@@ -137,7 +145,7 @@ class WorkerGroup(Protocol):
 
     def start(self) -> list[Node]: ...
     def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None: ...
-    def setup(self, resume: bytes | None = None) -> Formed: ...
+    def setup(self, resume: bytes | str | None = None) -> Formed: ...
     def launch(self) -> None: ...
     def poll(self, timeout: float) -> Poll: ...
     def status(self, timeout: float = 1.0) -> list[Status | None]: ...

@@ -15,7 +15,11 @@ whatever happened.
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
 its state to the others, and training goes on. Only when no worker survived does
-a checkpoint from storage (`restore`) take their place. In an elastic run a lost
+a checkpoint from storage (`restore`) take their place; and when the state is
+sharded (the strategy says so when the group forms), a lost worker's shards exist
+on no survivor, so the group restarts from the newest checkpoint. A resize of a
+sharded run restarts the same way, from the checkpoint the workers wrote as they
+paused: loading it reshards the state to the new world size. In an elastic run a lost
 worker that cannot be replaced in time is dropped (the group shrinks), and when
 the cluster has room for more workers (up to max_workers) the workers pause at a
 common step, the newcomers are started and take the state, and the group grows.
@@ -33,7 +37,7 @@ from typing import Callable
 
 from .callbacks import Callbacks, RunContext
 from .config import FailureConfig
-from .contract import Failure, Node, Poll, ReformFailed, Reformed, WorkerGroup
+from .contract import Failure, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
 from .errors import NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
 from .policy import FailurePolicy, blame, root_causes
@@ -52,8 +56,8 @@ class Controller:
     def __init__(self, group: WorkerGroup, num_workers: int, hub: MetricsHub, events: EventLog,
                  *, poll_interval_s: float = 0.2, progress: Any = None,
                  callbacks: Callbacks | None = None, context: RunContext | None = None,
-                 resume: tuple[int, str, bytes] | None = None, failure: FailureConfig | None = None,
-                 restore: Callable[[], tuple[int, str, bytes] | None] | None = None,
+                 resume: Resume | None = None, failure: FailureConfig | None = None,
+                 restore: Callable[[], Resume | None] | None = None,
                  max_workers: int | None = None, grow_check_s: float = 1.0):
         self.group = group
         self.resume = resume  # (step, checkpoint name, state bytes) to start from
@@ -63,6 +67,7 @@ class Controller:
         self.num_workers = num_workers  # min_workers of an elastic run
         self.max_workers = max_workers or num_workers
         self.world = 0  # the current world size
+        self._replicated = True  # whether every worker holds the whole state (Formed)
         self._nodes: list[Node] = []  # where each rank runs
         self.grow_check_s = grow_check_s  # how often to look for room to grow
         self._grow_at = 0.0
@@ -120,7 +125,7 @@ class Controller:
         finally:
             self.group.shutdown()
 
-    def _form(self, resume: tuple[int, str, bytes] | None, t0: float, check_storage: bool = False) -> None:
+    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> None:
         """Place and start the workers, form the group (from `resume` if given), launch."""
         nodes = self._nodes = self.group.start()
         self.world = len(nodes)
@@ -130,6 +135,7 @@ class Controller:
             if checked:
                 self.events.log("storage_checked", step=self.step, **checked)
         formed = self.group.setup(resume[2] if resume else None)
+        self._replicated = formed.replicated
         self.step = self.ctx.step = self._train_step = resume[0] if resume else 0
         if resume:
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
@@ -180,6 +186,8 @@ class Controller:
                 self._gave_up = decision.reason
                 raise decision.error or RaytrainerError(decision.reason)
             try:
+                if not self._replicated:
+                    raise NoSurvivors("the state is sharded: the lost workers' shards are on no survivor")
                 reformed = self._reform(lost)
                 step, how = reformed.step, {"source_rank": reformed.source, "state_from": reformed.state_from,
                                             "replaced": reformed.replaced, "resynced": reformed.resynced,
@@ -292,13 +300,22 @@ class Controller:
         paused_at = min(end.time for end in self._paused.values())
         old_world = self.world
         try:
-            reformed = self._reform([])
+            reformed = self._reform([]) if self._replicated else self._restart()
         except ReformFailed as exc:  # a worker lost while the group grew: a failure like any other
             self._recover(exc.failures, lost=exc.dead)
             return
         self.step = reformed.step
         self._log_resize(old_world, reformed, round(time.time() - paused_at, 3), "room to grow")
         self.state = State.RUNNING
+
+    def _restart(self) -> Reformed:
+        """Sharded state: start the group again, with every slot the cluster has, from the
+        checkpoint the workers wrote when they paused (loading it reshards the state)."""
+        old_world = self.world
+        self.group.shutdown()
+        self._form(self.restore(), time.monotonic())
+        return Reformed(step=self.step, nodes=list(self._nodes), source=None, state_from="checkpoint",
+                        added=max(0, self.world - old_world), dropped=list(range(self.world, old_world)))
 
     def _reform(self, dead: list[int]) -> Reformed:
         reformed = self.group.reform(dead)

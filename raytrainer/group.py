@@ -129,15 +129,15 @@ class RayWorkerGroup:
             lambda path: _gather([a.sees_file.remote(path) for a in self.actors]),
         )
 
-    def setup(self, resume: bytes | None = None) -> Formed:
+    def setup(self, resume: bytes | str | None = None) -> Formed:
         """Form the process group and build the task on every worker, loading `resume`
-        (checkpoint bytes, put in the object store once for all workers). Raises
-        ReformFailed if a worker is lost meanwhile."""
+        (checkpoint bytes, put in the object store once for all workers, or a sharded
+        checkpoint's URI). Raises ReformFailed if a worker is lost meanwhile."""
         self._secured = None
         state = ray.put(resume) if resume is not None else None
         results = self._form_group({rank: (None, state) for rank in range(len(self.actors))})
-        total_steps, steps_per_epoch = results[0]
-        return Formed(list(self.nodes), total_steps, steps_per_epoch)
+        total_steps, steps_per_epoch, replicated = results[0]
+        return Formed(list(self.nodes), total_steps, steps_per_epoch, replicated)
 
     def launch(self) -> None:
         self._runs = [a.run.remote() for a in self.actors]
