@@ -32,6 +32,7 @@ import contextlib
 import io
 import os
 import pickle
+import warnings
 from concurrent.futures import Future
 from typing import Any, Iterable, Iterator
 
@@ -460,8 +461,9 @@ def save_sharded(state: dict[str, Any], storage: Storage, rel_dir: str, *, proce
 
     tensors, plain = _split(state)
     _prepare_dir(storage, rel_dir, plain, process_group)
-    dcp.save(tensors, storage_writer=ArrowWriter(storage, storage.path(rel_dir), thread_count),
-             process_group=process_group, no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.save(tensors, storage_writer=ArrowWriter(storage, storage.path(rel_dir), thread_count),
+                 process_group=process_group, no_dist=not dist.is_initialized())
     return _files(storage, rel_dir) if _rank(process_group) == 0 else None
 
 
@@ -477,9 +479,10 @@ def load_sharded(state: dict[str, Any], storage: Storage, rel_dir: str, *, proce
     if not storage.exists(f"{rel_dir}/{DCP_METADATA}"):
         raise FileNotFoundError(f"{storage.path(rel_dir)} holds no complete sharded checkpoint (no {DCP_METADATA})")
     tensors, _ = _split(state)
-    dcp.load(tensors, storage_reader=ArrowReader(storage, storage.path(rel_dir)),
-             planner=_WeightsOnlyLoadPlanner(), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.load(tensors, storage_reader=ArrowReader(storage, storage.path(rel_dir)),
+                 planner=_WeightsOnlyLoadPlanner(), process_group=process_group,
+                 no_dist=not dist.is_initialized())
     saved = torch.load(io.BytesIO(storage.read(f"{rel_dir}/{PLAIN}")), weights_only=True)
     state.update(tensors)
     state.update(saved)
@@ -534,6 +537,14 @@ class AsyncShardedSaver:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group = None
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _files(storage: Storage, rel_dir: str) -> dict[str, dict[str, int]]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_procs import run_ranks
+from tests.test_checkpoint import s3_server  # noqa: F401 (a fixture)
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 (2 ranks x 2 micro-batches)
 RTOL, ATOL = 1e-5, 1e-6
@@ -128,6 +129,7 @@ def _train(rank, world_size, tmp):
         out["ref"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
         out["ref_ema"] = {k: v.detach().clone() for k, v in averaged.module.state_dict().items()}
         out["total_bytes"] = sum(p.numel() * p.element_size() for p in ref.parameters())
+    out["mixed"] = _mixed(rank, world_size)  # in the same processes: a launch costs seconds
     return out
 
 
@@ -315,6 +317,31 @@ def test_load_refuses_an_incomplete_checkpoint(tmp_path):
         load_sharded({"model": {"w": torch.zeros(1)}}, Storage(str(tmp_path)), "partial")
 
 
+def test_s3_round_trip_in_one_process(s3_server):
+    """DCP through pyarrow's S3 filesystem (moto's server), without a process group: an
+    unsharded model and optimizer, plain values, an existing checkpoint overwritten."""
+    from raytrainer.checkpoint import Storage
+    from raytrainer.sharded import get_train_state, load_sharded, save_sharded, set_train_state
+
+    model = make_model()
+    optimizer = make_optimizer(model)
+    plain_step(model, optimizer, *global_batch(0))
+    storage = Storage("s3://bucket/sharded")
+    save_sharded({**get_train_state(model, optimizer), "loop": {"step": 0}}, storage, "ckpt", thread_count=2)
+    plain_step(model, optimizer, *global_batch(1))
+    state = {**get_train_state(model, optimizer), "loop": {"step": 1}}
+    files = save_sharded(state, storage, "ckpt", thread_count=2)
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__0_1.distcp", "plain.pt"]
+    fresh = make_model()
+    fresh_optimizer = make_optimizer(fresh)
+    loaded = load_sharded({**get_train_state(fresh, fresh_optimizer), "loop": None}, storage, "ckpt")
+    set_train_state(fresh, fresh_optimizer, loaded)
+    assert loaded["loop"] == {"step": 1}
+    assert_close_dicts(fresh.state_dict(), model.state_dict(), exact=True)
+    for key, value in optimizer.state_dict()["state"].items():
+        assert_close_dicts(fresh_optimizer.state_dict()["state"][key], value, exact=True)
+
+
 def test_metadata_unpickler_builds_no_code():
     from raytrainer.sharded import _MetadataUnpickler
 
@@ -330,8 +357,6 @@ def test_metadata_unpickler_builds_no_code():
 
 
 def _mixed(rank, world_size):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from raytrainer.sharded import shard_model
 
     out = {}
@@ -342,7 +367,7 @@ def _mixed(rank, world_size):
     loss = F.mse_loss(model(x).float(), y)
     loss.backward()
     out["bf16_grad_dtype"] = str(next(model.parameters()).grad.dtype)
-    out["bf16_loss"] = float(loss)
+    out["bf16_loss"] = loss.item()
     optimizer.step()
     # fp16 with torch.amp.GradScaler: an inf in rank 1's shard only skips the step everywhere.
     model = shard_model(make_model(), param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -357,12 +382,13 @@ def _mixed(rank, world_size):
     scaler.update()
     out["fp16_stepped"] = any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
     out["fp16_scale"] = (scale, scaler.get_scale())
-    _ = MixedPrecisionPolicy
     return out
 
 
-def test_mixed_precision_on_gloo():
-    ranks = run_ranks(_mixed, 2)
+def test_mixed_precision_on_gloo(trained):
+    """bf16 parameters and bf16 reduce-scatter run on Gloo; fp16 with torch.amp.GradScaler
+    skips a step on every rank when one rank's shard overflows."""
+    ranks = [r["mixed"] for r in trained]
     x, y = global_batch(0)
     ref = F.mse_loss(make_model()(x), y).item()
     mean = sum(r["bf16_loss"] for r in ranks) / 2
