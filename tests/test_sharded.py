@@ -111,6 +111,9 @@ def _train(rank, world_size, tmp):
     seconds = time.perf_counter() - started
     full = full_model_state(model)
     ema_full = ema.full_state()
+    with ema.swapped_in(model):  # validation with the averaged weights
+        swapped = full_model_state(model)
+    unswapped = full_model_state(model)
     out = {"norms": norms, "reduce_scatters": reduce_scatters, "local_bytes": local_param_bytes(model),
            "seconds": seconds, "types": sorted({type(p).__name__ for p in model.parameters()})}
     if rank == 0:
@@ -118,6 +121,7 @@ def _train(rank, world_size, tmp):
         torch.save(full, path)
         out["full"] = torch.load(path, weights_only=True)
         out["ema_full"] = ema_full
+        out["swapped"], out["unswapped"] = swapped, unswapped
         # The reference: one process, the whole global batch, torch's own clip and EMA.
         ref = make_model()
         ref_opt = make_optimizer(ref)
@@ -176,7 +180,10 @@ def test_full_model_state_loads_weights_only(trained):
 
 
 def test_sharded_ema_matches_averaged_model(trained):
-    assert_close_dicts(trained[0]["ema_full"], trained[0]["ref_ema"])
+    rank0 = trained[0]
+    assert_close_dicts(rank0["ema_full"], rank0["ref_ema"])
+    assert_close_dicts(rank0["swapped"], rank0["ema_full"], exact=True)
+    assert_close_dicts(rank0["unswapped"], rank0["full"], exact=True)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -361,7 +368,9 @@ def _mixed(rank, world_size):
 
     out = {}
     # bf16 compute and bf16 reduce-scatter on Gloo.
-    model = shard_model(make_model(), param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    # (and the other options: units by class name, parameters kept after forward)
+    model = shard_model(make_model(), shard_classes=["Linear"], reshard_after_forward=False,
+                        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     optimizer = make_optimizer(model)
     x, y = local_batch(0, rank, world_size)
     loss = F.mse_loss(model(x).float(), y)
