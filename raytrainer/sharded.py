@@ -70,8 +70,8 @@ def shard_model(module: nn.Module, mesh=None, *, shard_classes: list[str] | None
     Units: every submodule whose class name is in `shard_classes`; without it, every
     direct child that holds parameters, looking through ModuleList/ModuleDict (they have
     no forward of their own, so FSDP's hooks on them would never run) into their items.
-    A unit whose parameters another unit also holds (tied weights) is left to the root's
-    group. Whatever no unit takes is in the root's group. Each unit is one all-gather and
+    A unit holding a parameter that a module outside it holds too (tied weights) is left
+    to the root's group. Whatever no unit takes is in the root's group. Each unit is one all-gather and
     one reduce-scatter per step. The module is moved to the mesh's device, in place, and
     returned (it is now also an FSDPModule). The root keeps its parameters unsharded after
     forward (FSDP's default for a root: backward needs them at once) unless
@@ -114,11 +114,10 @@ def _units(module: nn.Module, shard_classes: list[str] | None) -> list[nn.Module
     for m in module.modules():
         for p in m.parameters(recurse=False):
             holders.setdefault(id(p), set()).add(id(m))
-    ids = {id(u) for u in candidates}
-    kept = []
+    kept: list[nn.Module] = []  # candidates come inner first, so nested units are decided
     for unit in candidates:
         inside = {id(m) for m in unit.modules()}
-        nested = {id(p) for m in unit.modules() if m is not unit and id(m) in ids for p in m.parameters()}
+        nested = {id(p) for m in kept if id(m) in inside for p in m.parameters()}
         if all(holders[id(p)] <= inside for p in unit.parameters() if id(p) not in nested):
             kept.append(unit)
     return kept

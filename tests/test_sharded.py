@@ -434,5 +434,8 @@ def test_units():
     # Nested units: the inner ones first (fully_shard goes bottom-up); the tied head is out.
     assert _units(net, ["Block", "Linear"]) == [net.blocks[1].mlp, net.blocks[1].attn, net.blocks[1],
                                                 net.blocks[0].mlp, net.blocks[0].attn, net.blocks[0]]
+    # An inner unit left out for a tie leaves its outer unit out too.
+    net.blocks[0].mlp.weight = net.embed.weight
+    assert net.blocks[0] not in _units(net, ["Block", "Linear"])
     with pytest.raises(ValueError, match="Conv2d"):
         _units(net, ["Conv2d"])
