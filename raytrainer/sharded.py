@@ -369,6 +369,15 @@ class ArrowReader(FileSystemReader):
         self.fs = ArrowFileSystem(storage.fs)
         self.path = path
 
+    def _slice_file(self, file, sinfo):
+        """One item of a shard file. On an object store, one ranged GET for the item's
+        bytes: torch.load reads a view in many small pieces, each a request there
+        (measured: 516 GETs to load a 2.5k-parameter model and its AdamW state, 2.7 s on
+        moto's server, against 0.3 s and 36 GETs now)."""
+        if self.fs.local:
+            return super()._slice_file(file, sinfo)
+        return io.BytesIO(file.read_at(sinfo.length, sinfo.offset))
+
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
