@@ -206,6 +206,8 @@ class ShardedEMA:
                     _local(s).copy_(_local(c))
         self.n_averaged += 1
 
+    update_parameters = update  # AveragedModel's name, which state.TrainState calls
+
     @contextlib.contextmanager
     def swapped_in(self, module: nn.Module) -> Iterator[nn.Module]:
         """`module` holds the averaged weights inside the block (validation), its own after."""
