@@ -24,6 +24,17 @@ Facts this module rests on (torch 2.13, CPU/Gloo and CUDA/NCCL):
   torch.load(weights_only=False), and reads its .metadata with plain pickle.load: both
   unpickle arbitrary code. Here blobs load with weights_only=True and .metadata with an
   unpickler that only builds DCP's own metadata classes.
+- dcp.async_save runs `save` (its plan gather/scatter and the final gather) on a
+  background thread, on the group it is given (the default one if none). Given the
+  default group while the training thread goes on, the two threads' collectives pair up
+  wrongly across ranks: FSDP's all-gather timed out (Gloo, 60 s) on both ranks
+  (measured). On its own Gloo group (AsyncShardedSaver) training went on undisturbed.
+  async_save also refuses a group without a CPU backend (plain NCCL).
+- get_state_dict on an optimizer with no state yet runs a step with zero gradients and
+  lr=0 to create it: weights are unchanged, but AdamW's step counter then reads 1.
+- A full state dict (full_state_dict=True, cpu_offload=True) holds the live tensors
+  themselves where there is nothing to gather or move (one rank; a replicated CPU
+  buffer): full_model_state copies those.
 """
 
 from __future__ import annotations
