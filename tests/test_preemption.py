@@ -1,0 +1,164 @@
+"""A node drained for preemption (Ray's draining state, with a deadline) is left at a step
+boundary before it goes: the decisions alone, the controller against a fake group, and a
+real drain on a local multi-node Ray (one raylet per 1-CPU node, on this machine)."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from raytrainer.contract import Node, Poll, Reformed, RunEnd, Status
+from raytrainer.controller import Controller
+from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
+from raytrainer.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
+
+# ---------------------------------------------------------------------- the policy alone
+
+
+def test_only_drains_of_our_nodes_concern_us():
+    assert draining_ranks({"b": 100.0, "x": None}, ["a", "b", "b", "c"]) == {"b": [1, 2]}
+    assert draining_ranks({}, ["a"]) == {}
+
+
+def leave(**kw):
+    args = dict(leaving=1, ready=0, world=3, min_workers=3, seconds_left=60.0, waited_s=0.0,
+                replace_timeout_s=10.0, pause_s=1.0)
+    return leave_draining_nodes(**{**args, **kw})
+
+
+def test_leave_as_soon_as_every_leaver_has_a_replacement():
+    assert leave(ready=1)[0]
+    assert leave(leaving=2, ready=2, seconds_left=None)[0]
+    assert not leave(leaving=0)[0]
+
+
+def test_wait_for_replacements_up_to_replace_timeout_then_shrink_if_min_workers_hold():
+    assert not leave(min_workers=2, waited_s=5.0)[0]  # replacements may still come
+    go, why = leave(min_workers=2, waited_s=10.0)
+    assert go and "replace_timeout_s=10" in why
+    go, why = leave(min_workers=2, seconds_left=LEAVE_MARGIN_S + 0.5)  # not before the deadline allows
+    assert go and "deadline" in why
+    assert leave(min_workers=2, seconds_left=-5.0)[0]  # past its deadline, the node still runs: go now
+
+
+def test_below_min_workers_training_goes_on_until_the_node_is_gone():
+    go, why = leave(min_workers=3, waited_s=100.0, seconds_left=1.0)
+    assert not go and "min_workers=3" in why
+
+
+def test_the_state_comes_from_a_worker_that_stays_among_equals():
+    at = {r: Status(5, 0, "framework") for r in range(3)}
+    assert choose_source(at) == 0 and choose_source(at, avoid=[0]) == 1
+    ahead = {**at, 0: Status(6, 0, "framework")}
+    assert choose_source(ahead, avoid=[0]) == 0  # further ahead wins: its state is newer
+
+
+# ---------------------------------------------------------------------- the controller
+
+NODES = [Node("10.0.0.1", node_id="n1", pid=1), Node("10.0.0.2", node_id="n2", pid=2)]
+
+
+class DrainedGroup:
+    """Two workers; node n2 is drained after the first poll; its worker's replacement is up
+    at the second look."""
+
+    def __init__(self, polls, ready_after=1, deadline=None):
+        self.polls, self.calls = list(polls), []
+        self.looks = 0
+        self.ready_after = ready_after
+        self.deadline = deadline or time.time() + 60
+
+    def start(self):
+        return NODES
+
+    def check_storage(self, nodes):
+        return None
+
+    def setup(self, resume=None):
+        from raytrainer.contract import Formed
+        return Formed(NODES, total_steps=4)
+
+    def launch(self):
+        self.calls.append(("launch",))
+
+    def poll(self, timeout):
+        return self.polls.pop(0)
+
+    def draining(self):
+        return {"n2": self.deadline, "elsewhere": None} if self.looks else {}  # from the second look
+
+    def replacements(self, ranks):
+        self.calls.append(("replacements", tuple(ranks)))
+        self.looks += 1
+        return list(ranks) if ranks and self.looks > self.ready_after else []
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def reform(self, dead, leave=()):
+        self.calls.append(("reform", tuple(dead), tuple(leave)))
+        return Reformed(step=2, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def rows(*steps):
+    return [{"step": s, "epoch": 0, "world_size": 2, "time": 0.0, "loss": 1.0} for s in steps]
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_path):
+    paused = RunEnd("paused", 2, time=time.time())
+    done = RunEnd("finished", 4, stop_reason="completed", model=b"w")
+    group = DrainedGroup([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
+                          Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)])
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 2, MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events,
+                            poll_interval_s=0, drain_check_s=0)
+    assert controller.run() == done
+    events.close()
+    calls = [c for c in group.calls if c[0] in ("replacements", "pause", "reform")]
+    # Asked for rank 1's replacement until it was up, then paused once, re-formed without it.
+    assert calls[-3:] == [("replacements", (1,)), ("pause",), ("reform", (), (1,))]
+    log = read(tmp_path / "events.jsonl")
+    names = [e["event"] for e in log]
+    assert names.count("node_draining") == 1 and "worker_failed" not in names and "recovered" not in names
+    assert "resized" not in names  # the same world size: rank 1 moved
+    noticed = next(e for e in log if e["event"] == "node_draining")
+    assert noticed["node_id"] == "n2" and noticed["ranks"] == [1] and noticed["node"] == "10.0.0.2"
+    left = next(e for e in log if e["event"] == "left_node")
+    assert (left["node_id"], left["ranks"], left["moved"], left["dropped"], left["steps_lost"]) == \
+        ("n2", [1], [1], [], 0)
+    assert left["deadline"] == group.deadline and 0 < left["seconds_to_deadline"] <= 60
+    assert controller.world == 2 and controller._nodes[1].node_id == "n3"
+
+
+def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
+    paused = RunEnd("paused", 2, time=time.time())
+    done = RunEnd("finished", 4, stop_reason="completed", model=b"w")
+
+    class NoRoom(DrainedGroup):
+        def reform(self, dead, leave=()):
+            self.calls.append(("reform", tuple(dead), tuple(leave)))
+            return Reformed(step=2, nodes=[NODES[0]], source=0, dropped=[1])
+
+        def joinable(self):
+            return 0
+
+    group = NoRoom([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
+                    Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)], ready_after=99)
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 1, MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events, poll_interval_s=0,
+                            drain_check_s=0, max_workers=2, grow_check_s=99, replace_timeout_s=0)
+    controller.run()
+    events.close()
+    log = read(tmp_path / "events.jsonl")
+    resized = next(e for e in log if e["event"] == "resized")
+    assert (resized["old_world_size"], resized["new_world_size"], resized["cause"]) == (2, 1, "preemption")
+    left = next(e for e in log if e["event"] == "left_node")
+    assert left["dropped"] == [1] and "replace_timeout_s=0" in left["reason"]
