@@ -162,3 +162,86 @@ def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
     assert (resized["old_world_size"], resized["new_world_size"], resized["cause"]) == (2, 1, "preemption")
     left = next(e for e in log if e["event"] == "left_node")
     assert left["dropped"] == [1] and "replace_timeout_s=0" in left["reason"]
+
+
+# ---------------------------------------------------------------------- a real drain
+
+
+STEPS = 60
+
+
+def config(tmp_path, name, slow_while=None):
+    args = {"dropout": 0.1, "sleep_s": 0.3, "slow_while": slow_while}
+    return {
+        "task": {"target": "tests.tasks:ElasticTask", "args": args},
+        "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
+        "scaling": {"num_workers": 3},
+        # No failure allowed: leaving a drained node must not count as one.
+        "failure": {"step_timeout_s": 20, "max_failures": 0},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from .ray_procs import local_cluster
+
+    with local_cluster(0) as cluster:  # a head with no CPUs for workers, nodes added by the test
+        yield cluster
+
+
+def test_a_node_drained_for_preemption_is_left_before_its_deadline(cluster, tmp_path):
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    from .conftest import assert_no_leaks
+    from .faults import Run
+
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    cluster.wait_for_nodes()
+    base = Run(config(tmp_path, "base")).result()
+
+    slow = tmp_path / "slow"  # the run goes slowly while it exists
+    slow.touch()
+    run = Run(config(tmp_path, "drained", str(slow)))
+    run.wait_for_step(3)
+    raylets = {node.all_processes["raylet"][0].process.pid: node for node in nodes}
+    drained = raylets[parent(run.pids()[1])]  # the node of rank 1
+    cluster.add_node(num_cpus=1)  # room for its replacement
+    deadline = time.time() + 30
+    accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
+        drained.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot instance reclaimed (test)", int(deadline * 1000))
+    assert accepted, why
+
+    t0 = time.monotonic()
+    while not (left := [e for e in run.events() if e["event"] == "left_node"]):
+        assert time.monotonic() - t0 < 30, f"the workers did not leave the drained node: {run.events()}"
+        time.sleep(0.2)
+    left = left[0]
+    raylet = drained.all_processes["raylet"][0].process.pid
+    assert not [pid for pid in left["pids"] if parent(pid) == raylet], "a worker is still on the drained node"
+    slow.unlink()
+    result = run.result()
+
+    # Left before the deadline, with a replacement elsewhere: the same world size, no failure,
+    # nothing lost, every step once, and the weights of the undisturbed run, bit for bit.
+    assert (left["node_id"], left["ranks"], left["moved"], left["dropped"]) == (drained.node_id, [1], [1], [])
+    assert left["seconds_to_deadline"] > 0 and left["deadline"] == pytest.approx(deadline, abs=0.01)
+    names = [e["event"] for e in result.events]
+    assert "node_draining" in names and not {"worker_failed", "recovered", "resized"} & set(names)
+    steps = [r["step"] for r in result.history if "loss" in r]
+    assert steps == list(range(1, STEPS + 1)) and {r["world_size"] for r in result.history} == {3}
+    a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (base, result))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_no_leaks()
+    # Our slot there released with the run, the drained node is idle: Ray ends its drain.
+    t0 = time.monotonic()
+    while any(n["NodeID"] == drained.node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() - t0 < 20, "the drained node did not exit once idle"
+        time.sleep(0.5)
