@@ -170,12 +170,14 @@ def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
 STEPS = 60
 
 
-def config(tmp_path, name, slow_while=None):
-    args = {"dropout": 0.1, "sleep_s": 0.3, "slow_while": slow_while}
+def config(tmp_path, name, slow_while=None, **scaling):
+    # No dropout: its masks are drawn per rank, so a run that shrinks would not end near
+    # the undisturbed one (that the streams survive a re-form is test_node_loss's check).
+    args = {"dropout": 0.0, "sleep_s": 0.3, "slow_while": slow_while}
     return {
         "task": {"target": "tests.tasks:ElasticTask", "args": args},
         "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
-        "scaling": {"num_workers": 3},
+        "scaling": {"num_workers": 3, **scaling},
         # No failure allowed: leaving a drained node must not count as one.
         "failure": {"step_timeout_s": 20, "max_failures": 0},
         "run": {"name": name, "storage": str(tmp_path)},
@@ -191,41 +193,61 @@ def parent(pid):
 def cluster():
     from .ray_procs import local_cluster
 
-    with local_cluster(0) as cluster:  # a head with no CPUs for workers, nodes added by the test
+    with local_cluster(3) as cluster:  # a head with no CPUs for workers, three 1-CPU nodes
         yield cluster
 
 
-def test_a_node_drained_for_preemption_is_left_before_its_deadline(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def base(cluster, tmp_path_factory):
+    """An undisturbed 3-worker run."""
+    from .faults import Run
+
+    return Run(config(tmp_path_factory.mktemp("base"), "base")).result()
+
+
+def drain_rank_1(cluster, run, add_node=False):
+    """Drain the node of rank 1, 30 s ahead (after adding a node, if asked); wait for its
+    workers to leave; return the node, the deadline and the `left_node` event."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
-    from .conftest import assert_no_leaks
-    from .faults import Run
-
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
-    cluster.wait_for_nodes()
-    base = Run(config(tmp_path, "base")).result()
-
-    slow = tmp_path / "slow"  # the run goes slowly while it exists
-    slow.touch()
-    run = Run(config(tmp_path, "drained", str(slow)))
     run.wait_for_step(3)
-    raylets = {node.all_processes["raylet"][0].process.pid: node for node in nodes}
-    drained = raylets[parent(run.pids()[1])]  # the node of rank 1
-    cluster.add_node(num_cpus=1)  # room for its replacement
+    raylets = {node.all_processes["raylet"][0].process.pid: node for node in cluster.worker_nodes}
+    drained = raylets[parent(run.pids()[1])]
+    if add_node:
+        cluster.add_node(num_cpus=1)  # room for its replacement
     deadline = time.time() + 30
     accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
         drained.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
         "spot instance reclaimed (test)", int(deadline * 1000))
     assert accepted, why
-
     t0 = time.monotonic()
     while not (left := [e for e in run.events() if e["event"] == "left_node"]):
         assert time.monotonic() - t0 < 30, f"the workers did not leave the drained node: {run.events()}"
         time.sleep(0.2)
-    left = left[0]
     raylet = drained.all_processes["raylet"][0].process.pid
-    assert not [pid for pid in left["pids"] if parent(pid) == raylet], "a worker is still on the drained node"
+    assert not [pid for pid in left[0]["pids"] if parent(pid) == raylet], "a worker is still on the drained node"
+    return drained, deadline, left[0]
+
+
+def wait_node_gone(node_id):
+    """Our slots there released (the run ended), the drained node is idle: Ray ends it."""
+    import ray
+
+    t0 = time.monotonic()
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() - t0 < 20, "the drained node did not exit once idle"
+        time.sleep(0.5)
+
+
+def test_a_node_drained_for_preemption_is_left_before_its_deadline(cluster, base, tmp_path):
+    from .conftest import assert_no_leaks
+    from .faults import Run
+
+    slow = tmp_path / "slow"  # the run goes slowly while it exists
+    slow.touch()
+    run = Run(config(tmp_path, "drained", str(slow)))
+    drained, deadline, left = drain_rank_1(cluster, run, add_node=True)
     slow.unlink()
     result = run.result()
 
@@ -240,8 +262,34 @@ def test_a_node_drained_for_preemption_is_left_before_its_deadline(cluster, tmp_
     a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (base, result))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert_no_leaks()
-    # Our slot there released with the run, the drained node is idle: Ray ends its drain.
-    t0 = time.monotonic()
-    while any(n["NodeID"] == drained.node_id and n["Alive"] for n in ray.nodes()):
-        assert time.monotonic() - t0 < 20, "the drained node did not exit once idle"
-        time.sleep(0.5)
+    wait_node_gone(drained.node_id)
+
+
+def test_an_elastic_run_with_no_room_elsewhere_leaves_the_drained_node_and_shrinks(cluster, base, tmp_path):
+    """Three nodes, three workers (min 2): no room for a replacement, so after
+    replace_timeout_s the group goes on without the drained node's worker."""
+    from .conftest import assert_no_leaks
+    from .faults import Run
+
+    slow = tmp_path / "slow"
+    slow.touch()
+    run = Run(config(tmp_path, "shrunk", str(slow), min_workers=2, max_workers=3, replace_timeout_s=2))
+    drained, _, left = drain_rank_1(cluster, run)
+    slow.unlink()
+    result = run.result()
+
+    assert (left["ranks"], left["moved"], left["dropped"]) == ([1], [], [1]) and left["seconds_to_deadline"] > 0
+    assert "replace_timeout_s=2" in left["reason"]
+    resized = [e for e in result.events if e["event"] == "resized"]
+    assert [(e["old_world_size"], e["new_world_size"], e["cause"]) for e in resized] == [(3, 2, "preemption")]
+    assert not {"worker_failed", "recovered"} & {e["event"] for e in result.events}
+    train = [r for r in result.history if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    sizes = [r["world_size"] for r in train]
+    assert sizes == sorted(sizes, reverse=True) and set(sizes) == {3, 2}
+    # The same maths at 3 and 2 workers: the undisturbed run's weights up to float rounding.
+    a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (base, result))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert_no_leaks()
+    wait_node_gone(drained.node_id)
