@@ -388,8 +388,8 @@ class RayWorkerGroup:
         keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
         for rank in list(self._moves):  # ranks are renumbered: replacements still wanted are asked again
             self._cancel_move(rank)
-        if leave and self._spare is not None and self._spare_node[1] not in {n.node_id for n in
-                                                                              (placed.get(r) or self.nodes[r] for r in keep)}:
+        staying_on = {(placed.get(r) or self.nodes[r]).node_id for r in keep}
+        if leave and self._spare is not None and self._spare_node[1] not in staying_on:
             ray.kill(self._spare, no_restart=True)  # it was beside a worker that left
             self._spare = None
         self.actors = [self.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
