@@ -181,7 +181,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
         controller = Controller(group, config.scaling.min_workers, hub, events, progress=bar,
                                 callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
                                 failure=config.failure, restore=lambda: _latest(config, storage),
-                                max_workers=config.scaling.max_workers)
+                                max_workers=config.scaling.max_workers,
+                                replace_timeout_s=config.scaling.replace_timeout_s)
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
         tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch

@@ -46,6 +46,12 @@ class FakeGroup:
             raise item
         return item
 
+    def draining(self):
+        return {}
+
+    def replacements(self, ranks):
+        return []
+
     def shutdown(self):
         self.calls.append(("shutdown",))
 
