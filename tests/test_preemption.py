@@ -12,6 +12,7 @@ from raytrainer.contract import Node, Poll, Reformed, RunEnd, Status
 from raytrainer.controller import Controller
 from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
+from .ray_procs import parent
 
 # ---------------------------------------------------------------------- the policy alone
 
@@ -182,11 +183,6 @@ def config(tmp_path, name, slow_while=None, **scaling):
         "failure": {"step_timeout_s": 20, "max_failures": 0},
         "run": {"name": name, "storage": str(tmp_path)},
     }
-
-
-def parent(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.fixture(scope="module")
