@@ -12,6 +12,7 @@ from raytrainer.contract import Node, Poll, Reformed, RunEnd, Status
 from raytrainer.controller import Controller
 from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
+
 from .ray_procs import parent
 
 # ---------------------------------------------------------------------- the policy alone
