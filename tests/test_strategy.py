@@ -53,3 +53,38 @@ def test_a_shard_hook_that_leaves_the_root_unsharded_is_a_task_error():
     with pytest.raises(Exception) as err:
         run_ranks(_train, 2, ShardsItself(forget_root=True), "fsdp")
     assert "TaskError" in str(err.value) and "to the model itself" in str(err.value)
+
+
+def _pause(rank, world, storage):
+    from raytrainer.checkpoint import Checkpoints, Storage
+    from raytrainer.config import CheckpointConfig
+
+    cfg = TrainerConfig(max_steps=6, global_batch_size=16, strategy="fsdp")
+    checkpoints = Checkpoints(Storage(storage), "run", CheckpointConfig())
+    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
+                report=lambda rows: None, checkpoints=checkpoints)
+    loop.pause_requested = rank == 0  # the driver asked rank 0; every rank learns it in a reduction
+    assert loop.fit() is None and loop.paused
+    return loop.step, [(c.step, c.manifest["format"]) for c in checkpoints.committed()]
+
+
+def _resume(rank, world, uri, steps):
+    cfg = TrainerConfig(max_steps=steps, global_batch_size=16, strategy="fsdp")
+    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
+                report=lambda rows: None, state=uri)
+    start = loop.step
+    return start, loop.fit()
+
+
+def test_a_sharded_run_that_pauses_for_a_resize_leaves_a_checkpoint_the_new_size_reshards(tmp_path):
+    """What the driver restarts a resized FSDP run from: the workers, paused at a common
+    step, have written a sharded checkpoint of it; 3 workers load it and end where 2
+    workers training straight through do."""
+    paused = run_ranks(_pause, 2, str(tmp_path))
+    step = paused[0][0]
+    assert paused[1][0] == step and 1 <= step < 6 and paused[0][1] == [(step, "dcp")]
+    uri = str(tmp_path / "run" / "checkpoints" / f"step-{step:08d}")
+    resumed = run_ranks(_resume, 3, uri, 6)
+    assert [start for start, _ in resumed] == [step] * 3
+    straight = run_ranks(_resume, 2, None, 6)[0][1]
+    assert all(torch.allclose(resumed[0][1][k], straight[k], atol=1e-5) for k in straight)
