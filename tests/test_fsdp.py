@@ -14,13 +14,14 @@ from .conftest import assert_no_leaks
 STEPS = 8
 
 
-def config(tmp_path, name, workers=2, strategy="fsdp", chaos=(), resume="auto", max_steps=STEPS, **trainer):
+def config(tmp_path, name, workers=2, strategy="fsdp", chaos=(), resume="auto", max_steps=STEPS,
+           async_save=False, **trainer):
     return {
         "task": {"target": "tests.tasks:RegressionTask", "args": {}},  # no dropout: its masks differ by rank, so by worker count
         "trainer": {"max_steps": max_steps, "global_batch_size": 32, "micro_batch_size": 8, "grad_clip_norm": 0.5,
                     "ema_decay": 0.9, "val_every_n_steps": 4, "strategy": strategy, **trainer},
         "scaling": {"num_workers": workers},
-        "checkpoint": {"every_n_steps": 3, "keep_last": 5},
+        "checkpoint": {"every_n_steps": 3, "keep_last": 5, "async": async_save},
         "failure": {"chaos": list(chaos), "max_failures": 2},
         "run": {"name": name, "storage": str(tmp_path), "resume": resume},
     }
@@ -89,9 +90,12 @@ def test_a_checkpoint_from_two_workers_resumes_on_another_world_size(fsdp2, tmp_
 
 def test_a_killed_fsdp_worker_recovers_from_the_newest_checkpoint(fsdp2, tmp_path):
     """The lost rank's shards exist on no survivor: the group restarts from the checkpoint
-    of step 3 and redoes steps 4-5; the run ends as the undisturbed one did."""
+    of step 3 (written with DCP's async save, committed from its thread) and redoes
+    steps 4-5; the run ends as the undisturbed one did."""
     chaos = [{"action": "kill", "step": 5, "rank": 1, "at": "random"}]
-    result = raytrainer.train(config(tmp_path, "killed", chaos=chaos), progress=False)
+    result = raytrainer.train(config(tmp_path, "killed", chaos=chaos, async_save=True), progress=False)
+    manifests = [json.loads((p / "COMMITTED").read_text()) for p in (result.run_dir / "checkpoints").iterdir()]
+    assert sorted(m["step"] for m in manifests) == [3, 6, 8] and {m["format"] for m in manifests} == {"dcp"}
     recovered = [e for e in result.events if e["event"] == "recovered"]
     assert len(recovered) == 1 and recovered[0]["from_checkpoint"] == "step-00000003"
     assert recovered[0]["step"] == 3 and recovered[0]["steps_lost"] in (1, 2)
