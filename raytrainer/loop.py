@@ -135,6 +135,10 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(checkpoints, checkpoint_cfg or CheckpointConfig(), self._committed,
                                      replicated=self.strategy.replicated, rank=rank)
+        if (state is not None) and isinstance(state, str) == self.strategy.replicated:
+            written = "sharded (trainer.strategy: fsdp)" if isinstance(state, str) else "replicated (strategy: ddp)"
+            raise ConfigError(f"the checkpoint to resume from is {written} but this run has trainer.strategy="
+                              f"{cfg.strategy}; resume it with the strategy it was written with")
         if isinstance(state, str):  # a sharded checkpoint's URI: each rank reads its own shards
             state = self.strategy.read_checkpoint(state, self.state_dict())
         if state is not None:

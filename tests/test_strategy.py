@@ -88,3 +88,12 @@ def test_a_sharded_run_that_pauses_for_a_resize_leaves_a_checkpoint_the_new_size
     assert [start for start, _ in resumed] == [step] * 3
     straight = run_ranks(_resume, 2, None, 6)[0][1]
     assert all(torch.allclose(resumed[0][1][k], straight[k], atol=1e-5) for k in straight)
+
+
+def test_resuming_with_another_strategy_than_the_checkpoints_is_a_config_error(tmp_path):
+    from raytrainer.errors import ConfigError
+
+    cfg = TrainerConfig(max_steps=2, global_batch_size=16)
+    with pytest.raises(ConfigError, match="is sharded .* this run has trainer.strategy=ddp"):
+        Loop(RegressionTask(), cfg, rank=0, world_size=1, device=torch.device("cpu"), report=lambda rows: None,
+             state=str(tmp_path / "step-00000002"))
