@@ -22,7 +22,9 @@ def config(tmp_path, name, workers=2, strategy="fsdp", chaos=(), resume="auto", 
                     "ema_decay": 0.9, "val_every_n_steps": 4, "strategy": strategy, **trainer},
         "scaling": {"num_workers": workers},
         "checkpoint": {"every_n_steps": 3, "keep_last": 5, "async": async_save},
-        "failure": {"chaos": list(chaos), "max_failures": 2},
+        # No warm spare: a sharded run restarts every worker, and the idle process would only
+        # compete for the two cores while the runs start.
+        "failure": {"chaos": list(chaos), "max_failures": 2, "warm_spare": False},
         "run": {"name": name, "storage": str(tmp_path), "resume": resume},
     }
 
