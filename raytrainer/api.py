@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from .callbacks import Callback, Callbacks, RunContext
 from .checkpoint import Checkpoints, Storage, load_checkpoint_dir
 from .config import Config, dump_config, load_config
+from .contract import Resume
 from .controller import Controller
 from .errors import ConfigError
 from .loggers import build_loggers
@@ -89,8 +90,8 @@ def _started_local_ray() -> bool:
     return bool(node is not None and node.head)
 
 
-def _find_resume(config: Config, storage: Storage, run_dir: Path) -> tuple[int, str, bytes] | None:
-    """The checkpoint to start from, per run.resume, as (step, name, state bytes)."""
+def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | None:
+    """The checkpoint to start from, per run.resume."""
     mode = config.run.resume
     if mode not in ("auto", "never"):
         try:
@@ -111,7 +112,7 @@ def _find_resume(config: Config, storage: Storage, run_dir: Path) -> tuple[int, 
     return None
 
 
-def _latest(config: Config, storage: Storage) -> tuple[int, str, bytes] | None:
+def _latest(config: Config, storage: Storage) -> Resume | None:
     """The newest committed checkpoint of the run, for a restart when no worker survived."""
     found = Checkpoints(storage, config.run.name, config.checkpoint).load_latest(warn=_warn)
     return (found[0].step, found[0].name, found[1]) if found else None
@@ -148,7 +149,7 @@ class _UploadLogs(Callback):
                 self.storage.write(f"{self.name}/{path.name}", path.read_bytes())
 
 
-def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str, bytes] | None, *,
+def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
          progress: bool, cluster_can_grow: bool, callbacks: list[Any]) -> Result:
     import ray
 
@@ -180,7 +181,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: tuple[int, str
         controller = Controller(group, config.scaling.min_workers, hub, events, progress=bar,
                                 callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
                                 failure=config.failure, restore=lambda: _latest(config, storage),
-                                max_workers=config.scaling.max_workers)
+                                max_workers=config.scaling.max_workers,
+                                replace_timeout_s=config.scaling.replace_timeout_s)
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
         tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch

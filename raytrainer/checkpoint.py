@@ -1,11 +1,18 @@
 """Checkpoints: any storage pyarrow.fs reaches, atomic commit by marker, retention.
 
-Layout under the run directory:
+Layout under the run directory, for a replicated strategy (DDP: rank 0 writes):
 
     checkpoints/step-00000120/state.pt    model, optimizer, scheduler, scaler, EMA,
-                                          loop counters, every rank's RNG state
+                                          loop counters, the input's position
     checkpoints/step-00000120/COMMITTED   JSON manifest: step, size and sha256 of
                                           state.pt, metrics at that step
+
+and for a sharded one (FSDP: every rank writes its shards in parallel, through
+torch.distributed.checkpoint; see sharded.py):
+
+    checkpoints/step-00000120/__0_0.distcp, __1_0.distcp, ..., .metadata
+    checkpoints/step-00000120/COMMITTED   manifest with "format": "dcp" and the size of
+                                          every file, written by rank 0 after all ranks
 
 A checkpoint exists only once its COMMITTED marker does, and the marker is
 written last, so a crash or kill mid-write leaves the previous checkpoint as
@@ -77,6 +84,19 @@ class Storage:
     def delete_dir(self, rel: str) -> None:
         self.fs.delete_dir(self.path(rel))
 
+    def list_files(self, rel: str) -> dict[str, int]:
+        """The files directly in `rel`, with their sizes."""
+        import pyarrow.fs as pafs
+
+        selector = pafs.FileSelector(self.path(rel), allow_not_found=True)
+        return {i.base_name: i.size for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.File}
+
+    def uri_of(self, rel: str) -> str:
+        """A URI for `rel` that Storage() opens on any node (absolute for a local path)."""
+        if not rel:
+            return self.root if self.local else self.uri
+        return self.path(rel) if self.local else f"{self.uri}/{rel}"
+
 
 @dataclass
 class Committed:
@@ -89,8 +109,15 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def read_verified(storage: Storage, rel: str, manifest: dict[str, Any]) -> bytes:
-    """state.pt of the checkpoint at `rel`, checked against its manifest."""
+def read_verified(storage: Storage, rel: str, manifest: dict[str, Any]) -> bytes | str:
+    """What a worker starts from: state.pt's bytes checked against the manifest, or for a
+    sharded checkpoint, its directory's URI once every file has its recorded size (each
+    rank reads its own shards; DCP checks what it reads)."""
+    if manifest.get("format") == "dcp":
+        found = storage.list_files(rel)
+        if any(found.get(name) != f["size"] for name, f in manifest["files"].items()):
+            raise ValueError("is corrupt: its files differ from its manifest (missing or truncated)")
+        return storage.uri_of(rel)
     data = storage.read(f"{rel}/{STATE}" if rel else STATE)
     expected = manifest["files"][STATE]
     if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
@@ -98,7 +125,7 @@ def read_verified(storage: Storage, rel: str, manifest: dict[str, Any]) -> bytes
     return data
 
 
-def load_checkpoint_dir(uri: str) -> tuple[Committed, bytes]:
+def load_checkpoint_dir(uri: str) -> tuple[Committed, bytes | str]:
     """A checkpoint named by its own directory (run.resume: PATH)."""
     storage = Storage(uri)
     try:
@@ -127,9 +154,9 @@ class Checkpoints:
                 found.append(Committed(manifest["step"], name, manifest))
         return sorted(found, key=lambda c: c.step)
 
-    def load_latest(self, warn: Callable[[str], None] = log.warning) -> tuple[Committed, bytes] | None:
-        """The newest checkpoint whose state matches its manifest, as raw bytes; a corrupt
-        one is reported through `warn` and the next older one is tried."""
+    def load_latest(self, warn: Callable[[str], None] = log.warning) -> tuple[Committed, bytes | str] | None:
+        """The newest checkpoint whose state matches its manifest (see read_verified); a
+        corrupt one is reported through `warn` and the next older one is tried."""
         for ckpt in reversed(self.committed()):
             try:
                 return ckpt, read_verified(self.storage, f"{self.prefix}/{ckpt.name}", ckpt.manifest)
@@ -148,12 +175,21 @@ class Checkpoints:
         data = buffer.getvalue()
         name = checkpoint_name(step)
         self.storage.write(f"{self.prefix}/{name}/{STATE}", data)
-        manifest = {
-            "step": step,
-            "time": time.time(),
-            "files": {STATE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-            "metrics": metrics,
-        }
+        return self._commit(step, name, {STATE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+                            metrics)
+
+    def rel(self, step: int) -> str:
+        """The directory of the checkpoint of `step`, relative to the storage."""
+        return f"{self.prefix}/{checkpoint_name(step)}"
+
+    def commit_sharded(self, step: int, files: dict[str, Any], metrics: dict[str, float]) -> Committed:
+        """Rank 0, once every rank has written its shards of step `step` (`files`: name ->
+        {size}): the marker makes the checkpoint exist."""
+        return self._commit(step, checkpoint_name(step), files, metrics, format="dcp")
+
+    def _commit(self, step: int, name: str, files: dict[str, Any], metrics: dict[str, float],
+                **extra: Any) -> Committed:
+        manifest = {"step": step, "time": time.time(), **extra, "files": files, "metrics": metrics}
         self.storage.write(f"{self.prefix}/{name}/{MARKER}", json.dumps(manifest).encode())
         self.prune()
         return Committed(step, name, manifest)

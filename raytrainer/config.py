@@ -77,6 +77,26 @@ class EarlyStoppingConfig:
 
 
 @dataclass(kw_only=True)
+class FSDPConfig:
+    """How trainer.strategy=fsdp shards the model (torch.distributed.fsdp.fully_shard)."""
+
+    shard: list[str] | None = None
+    """Class names of the modules to shard each on its own (for example [Block]): each is
+    one unit of all-gather and reduce-scatter. null: every direct child of the model that
+    has parameters. The root is always sharded (what no unit holds). A Task.shard(model,
+    mesh) method, when the task has one, replaces all of this."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after each unit's forward (less memory, one more
+    all-gather in the backward); false keeps them until the backward."""
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """FSDP's mixed precision: the dtype parameters are gathered and computed in (the
+    sharded master weights stay fp32), which halves the all-gathers. null: as stored
+    (trainer.precision's autocast applies either way)."""
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """The dtype gradients are reduced in. null: param_dtype's."""
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     max_epochs: int | None = None
     max_steps: int | None = None
@@ -111,6 +131,12 @@ class TrainerConfig:
     """Keep an exponential moving average of the weights; validate and export it."""
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch)."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every rank holds the whole model and optimizer state (DistributedDataParallel).
+    fsdp: torch's FSDP2 (fully_shard): parameters, gradients and optimizer state are
+    sharded over the ranks, for models that do not fit on one device (see trainer.fsdp)."""
+    fsdp: FSDPConfig | None = None
+    """Options of the fsdp strategy (only with strategy: fsdp)."""
     lr_schedule: LRScheduleConfig | None = None
     early_stopping: EarlyStoppingConfig | None = None
     peak_flops_per_worker: float | None = None
@@ -136,6 +162,17 @@ class TrainerConfig:
             raise ConfigError(f"trainer.grad_clip_norm={self.grad_clip_norm} must be > 0")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay={self.ema_decay} must be in (0, 1), e.g. 0.999")
+        if self.strategy == "fsdp":
+            self.fsdp = self.fsdp or FSDPConfig()
+            if self.sync_batchnorm:
+                raise ConfigError(
+                    "trainer.sync_batchnorm does not work with trainer.strategy=fsdp (its layers would "
+                    "be sharded, their statistics reduced twice); use strategy: ddp, or a "
+                    "normalisation without batch statistics (LayerNorm, GroupNorm)"
+                )
+        elif self.fsdp is not None:
+            raise ConfigError("trainer.fsdp is set but trainer.strategy is ddp; set strategy: fsdp, "
+                              "or remove the fsdp section")
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,11 @@ Phase = Literal["setup", "user", "framework", "collective"]
 data), in ours, or waiting for its peers in a collective."""
 
 
+Resume = tuple[int, str, bytes | str]
+"""A checkpoint to start from: (its step, its name, what the workers load: a torch.save'd
+state, or the URI of a sharded checkpoint's directory, where each rank reads its own)."""
+
+
 @dataclass(frozen=True)
 class Node:
     """Where a worker runs."""
@@ -95,6 +100,9 @@ class Formed:
     nodes: list[Node]
     total_steps: int | None = None
     steps_per_epoch: int | None = None
+    replicated: bool = True
+    """Every worker holds the whole training state (the strategy's answer): survivors of a
+    failure can give it to the others. Sharded state restarts from a checkpoint instead."""
 
     @property
     def world_size(self) -> int:
@@ -110,9 +118,13 @@ class Reformed:
     source: int | None
     """The rank (before the re-form) whose state every worker now has; None: the state
     was one kept from an earlier attempt of this recovery (`state_from`)."""
-    state_from: Literal["memory", "object_store"] = "memory"
+    state_from: Literal["memory", "object_store", "checkpoint"] = "memory"
     replaced: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    moved: list[int] = field(default_factory=list)
+    """Ranks that left a draining node for a replacement on another node (not in
+    `replaced`, which are lost workers' replacements; those with no replacement are in
+    `dropped`)."""
     added: int = 0
     resynced: list[int] = field(default_factory=list)
 
@@ -137,7 +149,7 @@ class WorkerGroup(Protocol):
 
     def start(self) -> list[Node]: ...
     def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None: ...
-    def setup(self, resume: bytes | None = None) -> Formed: ...
+    def setup(self, resume: bytes | str | None = None) -> Formed: ...
     def launch(self) -> None: ...
     def poll(self, timeout: float) -> Poll: ...
     def status(self, timeout: float = 1.0) -> list[Status | None]: ...
@@ -145,7 +157,16 @@ class WorkerGroup(Protocol):
     def flight_record(self, rank: int) -> bytes | None: ...
     def kill(self, rank: int) -> None: ...
     def abort(self, ranks: list[int]) -> None: ...
-    def reform(self, dead: list[int]) -> Reformed: ...
+    def reform(self, dead: list[int], leave: list[int] = ()) -> Reformed: ...
     def joinable(self) -> int: ...
+    def draining(self) -> dict[str, float | None]:
+        """The cluster's nodes being drained (for preemption, or as idle): node id ->
+        deadline (time.time() seconds; None where the drain has none)."""
+        ...
+    def replacements(self, ranks: list[int]) -> list[int]:
+        """Start a worker on another node for each of `ranks` (once; those asked before
+        and not asked now are given up); return the ranks whose replacement is up, ready
+        for `reform(..., leave=ranks)`."""
+        ...
     def pause(self) -> None: ...
     def shutdown(self) -> None: ...

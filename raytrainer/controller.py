@@ -15,11 +15,24 @@ whatever happened.
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
 its state to the others, and training goes on. Only when no worker survived does
-a checkpoint from storage (`restore`) take their place. In an elastic run a lost
+a checkpoint from storage (`restore`) take their place; and when the state is
+sharded (the strategy says so when the group forms), a lost worker's shards exist
+on no survivor, so the group restarts from the newest checkpoint. A resize of a
+sharded run restarts the same way, from the checkpoint the workers wrote as they
+paused: loading it reshards the state to the new world size. In an elastic run a lost
 worker that cannot be replaced in time is dropped (the group shrinks), and when
 the cluster has room for more workers (up to max_workers) the workers pause at a
 common step, the newcomers are started and take the state, and the group grows.
 Every change of the world size is a `resized` event.
+
+A node being drained for preemption (Ray's draining state, with a deadline) is left
+before it goes, the same way: replacements are started on other nodes, the workers pause
+at a common step, and the group re-forms with the replacements in place of the workers
+on that node (or, in an elastic run, without them: policy.leave_draining_nodes), from
+the survivors' memory; nothing is lost and no failure is counted. A `node_draining`
+event says when the drain was seen, a `left_node` event when the workers left (and a
+`resized` event with cause "preemption" if the world size changed). A node that goes
+before its workers could leave is a lost node like any other: a failure, recovered.
 """
 
 from __future__ import annotations
@@ -33,10 +46,10 @@ from typing import Callable
 
 from .callbacks import Callbacks, RunContext
 from .config import FailureConfig
-from .contract import Failure, Node, Poll, ReformFailed, Reformed, WorkerGroup
+from .contract import Failure, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
 from .errors import NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
-from .policy import FailurePolicy, blame, root_causes
+from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, root_causes
 
 
 class State(enum.Enum):
@@ -52,9 +65,10 @@ class Controller:
     def __init__(self, group: WorkerGroup, num_workers: int, hub: MetricsHub, events: EventLog,
                  *, poll_interval_s: float = 0.2, progress: Any = None,
                  callbacks: Callbacks | None = None, context: RunContext | None = None,
-                 resume: tuple[int, str, bytes] | None = None, failure: FailureConfig | None = None,
-                 restore: Callable[[], tuple[int, str, bytes] | None] | None = None,
-                 max_workers: int | None = None, grow_check_s: float = 1.0):
+                 resume: Resume | None = None, failure: FailureConfig | None = None,
+                 restore: Callable[[], Resume | None] | None = None,
+                 max_workers: int | None = None, grow_check_s: float = 1.0,
+                 replace_timeout_s: float = 10.0, drain_check_s: float = 1.0):
         self.group = group
         self.resume = resume  # (step, checkpoint name, state bytes) to start from
         self.failure = failure or FailureConfig(max_failures=0, step_timeout_s=None)
@@ -63,11 +77,18 @@ class Controller:
         self.num_workers = num_workers  # min_workers of an elastic run
         self.max_workers = max_workers or num_workers
         self.world = 0  # the current world size
+        self._replicated = True  # whether every worker holds the whole state (Formed)
         self._nodes: list[Node] = []  # where each rank runs
         self.grow_check_s = grow_check_s  # how often to look for room to grow
         self._grow_at = 0.0
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
+        self.replace_timeout_s = replace_timeout_s  # how long a drain waits for replacements
+        self.drain_check_s = drain_check_s  # how often to look for draining nodes
+        self._drain_at = 0.0
+        self._noticed: dict[str, float] = {}  # draining node id -> when we first saw it
+        self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
+        self._rows_at: list[tuple[float, int]] = []  # (when, step) of the last training rows
         self.hub = hub
         self.events = events
         self.poll_interval_s = poll_interval_s
@@ -106,6 +127,7 @@ class Controller:
                 elif len(self._paused) == self.world:
                     self._resize()
                 else:
+                    self._watch_drains()
                     self._look_for_room()
             self.callbacks("on_epoch_end", self.ctx)
             self.callbacks("on_run_end", self.ctx)
@@ -120,16 +142,17 @@ class Controller:
         finally:
             self.group.shutdown()
 
-    def _form(self, resume: tuple[int, str, bytes] | None, t0: float, check_storage: bool = False) -> None:
+    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> None:
         """Place and start the workers, form the group (from `resume` if given), launch."""
         nodes = self._nodes = self.group.start()
         self.world = len(nodes)
-        self._paused, self._pause_asked = {}, None
+        self._paused, self._pause_asked, self._leaving = {}, None, {}
         if check_storage:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
                 self.events.log("storage_checked", step=self.step, **checked)
         formed = self.group.setup(resume[2] if resume else None)
+        self._replicated = formed.replicated
         self.step = self.ctx.step = self._train_step = resume[0] if resume else 0
         if resume:
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
@@ -180,6 +203,8 @@ class Controller:
                 self._gave_up = decision.reason
                 raise decision.error or RaytrainerError(decision.reason)
             try:
+                if not self._replicated:
+                    raise NoSurvivors("the state is sharded: the lost workers' shards are on no survivor")
                 reformed = self._reform(lost)
                 step, how = reformed.step, {"source_rank": reformed.source, "state_from": reformed.state_from,
                                             "replaced": reformed.replaced, "resynced": reformed.resynced,
@@ -287,26 +312,98 @@ class Controller:
             self._pause_asked = now
 
     def _resize(self) -> None:
-        """Every worker paused at the same step: re-form with the newcomers."""
+        """Every worker paused at the same step: re-form with the newcomers, and without
+        the workers leaving a draining node."""
         self.state = State.RESIZING
         paused_at = min(end.time for end in self._paused.values())
-        old_world = self.world
+        old_world, leaving, old_nodes = self.world, self._leaving, self._nodes
         try:
-            reformed = self._reform([])
-        except ReformFailed as exc:  # a worker lost while the group grew: a failure like any other
+            if self._replicated:
+                reformed = self._reform([], leave=sorted(leaving))
+            else:
+                reformed = self._restart(leave=sorted(leaving))
+        except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other
             self._recover(exc.failures, lost=exc.dead)
             return
         self.step = reformed.step
-        self._log_resize(old_world, reformed, round(time.time() - paused_at, 3), "room to grow")
+        seconds = round(time.time() - paused_at, 3)
+        for node_id in sorted({d["node_id"] for d in leaving.values()}):
+            ranks = sorted(r for r, d in leaving.items() if d["node_id"] == node_id)
+            drain = leaving[ranks[0]]
+            self.events.log("left_node", step=reformed.step, node=old_nodes[ranks[0]].ip, node_id=node_id,
+                            deadline=drain["deadline"], ranks=ranks,
+                            moved=[r for r in ranks if r in reformed.moved],
+                            dropped=[r for r in ranks if r in reformed.dropped], seconds=seconds,
+                            seconds_to_deadline=(round(drain["deadline"] - time.time(), 3)
+                                                 if drain["deadline"] else None),
+                            steps_lost=0, reason=drain["reason"], pids=[n.pid for n in reformed.nodes])
+        if self.world != old_world or not leaving:  # replacements in the leavers' places: no resize
+            self._log_resize(old_world, reformed, seconds, "preemption" if leaving else "room to grow")
         self.state = State.RUNNING
 
-    def _reform(self, dead: list[int]) -> Reformed:
-        reformed = self.group.reform(dead)
+    def _restart(self, leave: list[int] = ()) -> Reformed:
+        """Sharded state: start the group again, with every slot the cluster has, from the
+        checkpoint the workers wrote when they paused (loading it reshards the state).
+        Ray places nothing on a draining node, so the ranks in `leave` start elsewhere."""
+        old_world = self.world
+        self.group.shutdown()
+        self._leaving = {}
+        self._form(self.restore(), time.monotonic())
+        return Reformed(step=self.step, nodes=list(self._nodes), source=None, state_from="checkpoint",
+                        added=max(0, self.world - old_world), dropped=list(range(self.world, old_world)),
+                        moved=[r for r in leave if r < self.world])
+
+    def _reform(self, dead: list[int], leave: list[int] = ()) -> Reformed:
+        reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
         self.world, self._nodes = reformed.world_size, reformed.nodes
-        self._paused, self._pause_asked = {}, None
+        self._paused, self._pause_asked, self._leaving = {}, None, {}
         self.group.launch()
         self._reset_progress()
         return reformed
+
+    def _watch_drains(self) -> None:
+        """About once every drain_check_s: find the workers on nodes being drained; start
+        their replacements elsewhere, and once policy.leave_draining_nodes says so, ask the
+        workers to pause, so that the group re-forms without those (`_resize`)."""
+        now = time.monotonic()
+        if self._pause_asked is not None or now - self._drain_at < self.drain_check_s:
+            return
+        self._drain_at = now
+        draining = self.group.draining()
+        on = draining_ranks(draining, [n.node_id for n in self._nodes])
+        self._noticed = {node: at for node, at in self._noticed.items() if node in draining}
+        if not on:
+            self.group.replacements([])  # any started for a drain that is over, or left
+            return
+        for node, ranks in on.items():
+            if node not in self._noticed:
+                self._noticed[node] = now
+                deadline = draining[node]
+                self.events.log("node_draining", step=self.step, node=self._node_ip(ranks[0]), node_id=node,
+                                deadline=deadline, ranks=ranks,
+                                seconds_to_deadline=round(deadline - time.time(), 3) if deadline else None)
+        leaving = sorted(r for ranks in on.values() for r in ranks)
+        ready = self.group.replacements(leaving)
+        deadlines = [draining[node] for node in on if draining[node]]
+        go, reason = leave_draining_nodes(
+            leaving=len(leaving), ready=len(ready), world=self.world, min_workers=self.num_workers,
+            seconds_left=min(deadlines) - time.time() if deadlines else None,
+            waited_s=now - min(self._noticed[node] for node in on),
+            replace_timeout_s=self.replace_timeout_s, pause_s=self._pause_estimate())
+        if go:
+            self._leaving = {r: {"node_id": node, "deadline": draining[node], "reason": reason}
+                             for node, ranks in on.items() for r in ranks}
+            self.group.pause()
+            self._pause_asked = now
+
+    def _pause_estimate(self) -> float:
+        """How long the workers take to reach a common step boundary once asked: the pause
+        is agreed in a metrics reduction and seen one reduction later, so about two
+        intervals between the batches of rows the driver receives."""
+        if len(self._rows_at) < 2:
+            return 10.0
+        (t0, _), (t1, _) = self._rows_at[-2:]
+        return 2 * (t1 - t0)
 
     def _log_resize(self, old_world: int, reformed: Reformed, seconds: float, cause: str) -> None:
         """`seconds`: the pause of training, from the workers stopping to them going on."""
@@ -381,6 +478,7 @@ class Controller:
         if not rows:
             return
         self._train_step = max([self._train_step] + [r["step"] for r in rows if not _is_val(r)])
+        self._rows_at = self._rows_at[-1:] + [(time.monotonic(), self._train_step)]
         self.step = max(self.step, rows[-1]["step"])
         self.hub.write(rows)
         for row in rows:  # driver-side callbacks see the same boundaries, from the rows

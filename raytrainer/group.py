@@ -10,6 +10,13 @@ group per worker it may grow by, created after it. Those stay pending until the 
 has room, which is also what asks the autoscaler for it; a slot whose group is placed
 and whose worker is up is `joinable`. A slot whose node is lost is rescheduled by Ray
 when room appears, and used again the same way.
+
+A worker on a node being drained (preemption) gets a replacement in a new single-bundle
+group, which Ray places on another node (it never places on a draining node); once the
+workers have paused, the replacement takes the worker's rank and the state, and the
+worker leaves. Its old slot stays with its group: a core bundle is rescheduled by Ray
+once the node is gone (Ray cannot release one bundle of a group) and serves an elastic
+run as a slot to grow into; an elastic extra's own group is removed.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ class RayWorkerGroup:
         # every survivor, does not lose it.
         self._secured: tuple[Status, Any] | None = None
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
+        # rank -> (its new slot, the worker started there, that worker's node() ref), for
+        # workers on a draining node until they leave (`replacements`, `reform(leave=)`).
+        self._moves: dict[int, tuple[tuple[Any, int], Any, Any]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -129,15 +139,15 @@ class RayWorkerGroup:
             lambda path: _gather([a.sees_file.remote(path) for a in self.actors]),
         )
 
-    def setup(self, resume: bytes | None = None) -> Formed:
+    def setup(self, resume: bytes | str | None = None) -> Formed:
         """Form the process group and build the task on every worker, loading `resume`
-        (checkpoint bytes, put in the object store once for all workers). Raises
-        ReformFailed if a worker is lost meanwhile."""
+        (checkpoint bytes, put in the object store once for all workers, or a sharded
+        checkpoint's URI). Raises ReformFailed if a worker is lost meanwhile."""
         self._secured = None
         state = ray.put(resume) if resume is not None else None
         results = self._form_group({rank: (None, state) for rank in range(len(self.actors))})
-        total_steps, steps_per_epoch = results[0]
-        return Formed(list(self.nodes), total_steps, steps_per_epoch)
+        total_steps, steps_per_epoch, replicated = results[0]
+        return Formed(list(self.nodes), total_steps, steps_per_epoch, replicated)
 
     def launch(self) -> None:
         self._runs = [a.run.remote() for a in self.actors]
@@ -240,15 +250,88 @@ class RayWorkerGroup:
     def joinable(self) -> int:
         """Start a worker in every free slot the cluster has placed; return how many
         started workers are ready to join at the next `reform`."""
-        placed: dict[Any, bool] = {}
+        placed: dict[Any, dict[int, str] | None] = {}  # pg -> its bundles' nodes, once placed
+        draining = None
         for slot in self._free_slots():
             pg = slot[0]
             if pg not in placed:
-                placed[pg] = placement_group_table(pg).get("state") == "CREATED"
-            if placed[pg]:
+                table = placement_group_table(pg)
+                placed[pg] = table.get("bundles_to_node_id", {}) if table.get("state") == "CREATED" else None
+            if placed[pg] is not None:
+                if draining is None:
+                    draining = self.draining()
+                if placed[pg].get(slot[1]) in draining:  # a slot on a node about to go: not now
+                    continue
                 actor = self._actor(slot)
                 self._joining.append((slot, actor, actor.node.remote()))
         return len(self._ready_joiners(take=False))
+
+    def draining(self) -> dict[str, float | None]:
+        """The nodes being drained: node id -> deadline (time.time() seconds, None: none).
+        Ray's own view, as Ray Train's and Ray Data's preemption handling read it (a
+        private API: none public yet); {} if it cannot be read."""
+        try:
+            from ray._private import state
+
+            nodes = state.state.get_draining_nodes()  # node id hex -> deadline ms, 0: none
+        except Exception:  # noqa: BLE001 - an older Ray, or the GCS busy: look again later
+            return {}
+        return {node: (ms / 1000 if ms else None) for node, ms in nodes.items()}
+
+    def replacements(self, ranks: list[int]) -> list[int]:
+        """Start a worker on another node for each of `ranks` (in a new single-bundle
+        group, which Ray places off draining nodes; pending until the cluster has room,
+        which asks the autoscaler for it); give up those started for ranks not asked now;
+        return the ranks whose replacement is up."""
+        for rank in [r for r in self._moves if r not in ranks]:
+            self._cancel_move(rank)
+        for rank in ranks:
+            if rank not in self._moves:
+                slot = (placement_group([self.bundle]), 0)
+                self.pgs.append(slot[0])
+                actor = self._actor(slot)
+                self._moves[rank] = (slot, actor, actor.node.remote())
+        ready = []
+        for rank, (slot, actor, ref) in list(self._moves.items()):
+            try:
+                ray.get(ref, timeout=0)
+                ready.append(rank)
+            except GetTimeoutError:
+                pass
+            except (RayActorError, RayTaskError):  # it died (its node with it?): start another
+                ray.kill(actor, no_restart=True)
+                actor = self._actor(slot)
+                self._moves[rank] = (slot, actor, actor.node.remote())
+        return sorted(ready)
+
+    def _cancel_move(self, rank: int) -> None:
+        slot, actor, _ = self._moves.pop(rank)
+        ray.kill(actor, no_restart=True)
+        self._release(slot)
+
+    def _release(self, slot: tuple[Any, int]) -> None:
+        """Give back a slot no worker uses, where Ray allows it: a group of its own is
+        removed; a bundle of the core group stays reserved (a slot to grow into)."""
+        pg = slot[0]
+        if pg is not self.pgs[0] and len(pg.bundle_specs) == 1 and pg in self.pgs:
+            self.pgs.remove(pg)
+            remove_placement_group(pg)
+
+    def _take_move(self, rank: int, wait: bool = False) -> Node | None:
+        """Put the replacement started for `rank` in its place if it is up (or, with
+        `wait`, whether or not: the caller waits for it to be placed); its node if up."""
+        slot, actor, ref = self._moves[rank]
+        try:
+            node = ray.get(ref, timeout=0)
+        except (GetTimeoutError, RayActorError, RayTaskError):
+            node = None
+            if not wait:
+                return None
+        del self._moves[rank]
+        old = self.slots[rank]
+        self.actors[rank], self.slots[rank] = actor, slot
+        self._release(old)
+        return node
 
     def pause(self) -> None:
         """Ask every worker to pause at a step boundary they agree on (run() returns "paused")."""
@@ -257,19 +340,26 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ recovery
 
-    def reform(self, dead: list[int]) -> Reformed:
+    def reform(self, dead: list[int], leave: list[int] = ()) -> Reformed:
         """Re-form the process group after a failure or a pause; every worker must have
-        stopped. The `dead` ranks get a new worker in their slot if one is placed in time
-        (policy.keep_waiting_for_placement), and are dropped otherwise; workers ready to
-        join are added. Ranks keep their order (the remaining ones close up, newcomers come
-        last). Every worker gets the state of the survivor furthest ahead, unless it has it
-        already; with no survivor, the state secured by an earlier attempt of this
-        recovery. Raises NoSurvivors when there is neither, and ReformFailed when a worker
-        is lost meanwhile (call again with its `dead`)."""
+        stopped. The `dead` ranks get a new worker (the one started by `replacements` for
+        them, else one in their slot) if one is placed in time
+        (policy.keep_waiting_for_placement), and are dropped otherwise. The `leave` ranks
+        (alive, on a draining node) give way to their replacement where it is up, and are
+        dropped otherwise. Workers ready to join are added. Ranks keep their order (the
+        remaining ones close up, newcomers come last). Every worker gets the state of the
+        survivor furthest ahead (one staying, among equals), unless it has it already; with
+        no survivor, the state secured by an earlier attempt of this recovery. Raises
+        NoSurvivors when there is neither, and ReformFailed when a worker is lost meanwhile
+        (call again with its `dead`)."""
         scaling = self.config.scaling
         world = len(self.actors)
+        leave = [r for r in leave if r not in dead]
         for rank in dead:
             self.kill(rank)
+            if rank in self._moves:  # its node was drained: its replacement is elsewhere
+                self._take_move(rank, wait=True)
+                continue
             self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
         self._start_spare()  # now, not after: a second failure finds it warm
         others = [r for r in range(world) if r not in dead]
@@ -281,16 +371,31 @@ class RayWorkerGroup:
             raise ReformFailed([Failure(r, "hung", "did not answer while the group re-formed", None,
                                         self.nodes[r].ip) for r in silent], silent)
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
-        source, state_ref, at = self._take_state(holders)
-        placed = self._wait_placed(dead, len(others) + len(self._ready_joiners(take=False)))
+        source, state_ref, at = self._take_state(holders, avoid=leave)
+        moved: dict[int, Node] = {}
+        for rank in leave:  # its state is secured: it goes, for its replacement if up
+            self.kill(rank)
+            node = self._take_move(rank) if rank in self._moves else None
+            if node is not None:
+                moved[rank] = node
+        staying = len(others) - len(leave) + len(moved)
+        placed = self._wait_placed(dead, staying + len(self._ready_joiners(take=False)))
         for rank in dead:
             if rank not in placed:  # its slot stays reserved: it may join later
                 ray.kill(self.actors[rank], no_restart=True)
         joiners = self._ready_joiners(take=True)
-        keep = [r for r in range(world) if r in placed or r not in dead]
+        placed.update(moved)
+        keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
+        for rank in list(self._moves):  # ranks are renumbered: replacements still wanted are asked again
+            self._cancel_move(rank)
+        staying_on = {(placed.get(r) or self.nodes[r]).node_id for r in keep}
+        if leave and self._spare is not None and self._spare_node[1] not in staying_on:
+            ray.kill(self._spare, no_restart=True)  # it was beside a worker that left
+            self._spare = None
         self.actors = [self.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
         self.slots = [self.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
         self.nodes = [placed.get(r) or self.nodes[r] for r in keep] + [node for _, _, node in joiners]
+        self._start_spare()
         if len(self.actors) < scaling.min_workers:
             raise PlacementError(
                 f"only {len(self.actors)} workers could be placed within scaling.placement_timeout_s="
@@ -301,7 +406,7 @@ class RayWorkerGroup:
         # Holders regroup (taking the state only if behind); the others build the task from it.
         calls = {}
         for rank, old in enumerate(keep + [None] * len(joiners)):
-            if old in holders:
+            if old in holders and old not in moved:
                 calls[rank] = (holders[old].position != at.position, state_ref)
             else:
                 calls[rank] = (None, state_ref)
@@ -309,14 +414,16 @@ class RayWorkerGroup:
         self._secured = None
         return Reformed(step=at.step, nodes=list(self.nodes), source=source,
                         state_from="memory" if source is not None else "object_store",
-                        replaced=sorted(placed), dropped=[r for r in dead if r not in placed],
+                        replaced=sorted(r for r in placed if r in dead),
+                        dropped=[r for r in dead + leave if r not in placed], moved=sorted(moved),
                         added=len(joiners),
                         resynced=[r for r in holders if holders[r].position != at.position])
 
-    def _take_state(self, holders: dict[int, Status]) -> tuple[int | None, Any, Status]:
-        """The state to continue from: the furthest survivor's, put in the object store
-        (and kept there until the group has re-formed), else one secured earlier."""
-        source, take = choose_state(holders, self._secured[0] if self._secured else None)
+    def _take_state(self, holders: dict[int, Status], avoid: list[int] = ()) -> tuple[int | None, Any, Status]:
+        """The state to continue from: the furthest survivor's (not one of `avoid` among
+        equals), put in the object store (and kept there until the group has re-formed),
+        else one secured earlier."""
+        source, take = choose_state(holders, self._secured[0] if self._secured else None, avoid=avoid)
         if not take:
             if self._secured is None:
                 raise NoSurvivors("no worker survived")
@@ -444,7 +551,7 @@ class RayWorkerGroup:
         return placed
 
     def _free_slots(self) -> list[tuple[Any, int]]:
-        taken = set(self.slots) | {slot for slot, _, _ in self._joining}
+        taken = set(self.slots) | {slot for slot, _, _ in self._joining} | {m[0] for m in self._moves.values()}
         return [(pg, i) for pg in self.pgs for i in range(len(pg.bundle_specs)) if (pg, i) not in taken]
 
     def _ready_joiners(self, take: bool) -> list[tuple[tuple[Any, int], Any, Node]]:
@@ -467,11 +574,12 @@ class RayWorkerGroup:
         return ready
 
     def shutdown(self) -> None:
-        joining = [actor for _, actor, _ in self._joining]
+        joining = [actor for _, actor, _ in self._joining] + [actor for _, actor, _ in self._moves.values()]
         for actor in self.actors + joining + ([self._spare] if self._spare is not None else []):
             ray.kill(actor, no_restart=True)
         self._spare = self._secured = None
         self.actors, self._runs, self._pending, self._finished, self._joining = [], [], [], {}, []
+        self._moves = {}
         for pg in self.pgs:
             remove_placement_group(pg)
         self.pgs, self.slots = [], []

@@ -281,6 +281,10 @@ class ValInput:
         self._loader: DataLoader | None = None
         self._chunks: list[list[int]] = []
 
+    def most_batches(self, world_size: int, micro_batch_size: int, limit: int | None) -> int:
+        """The most batches any rank's shard has (rank 0's shard is never shorter)."""
+        return len(val_shard(len(self.dataset), 0, world_size).split(micro_batch_size)[:limit])
+
     def batches(self, rank: int, world_size: int, micro_batch_size: int, limit: int | None) -> Iterator[Any]:
         chunks = val_shard(len(self.dataset), rank, world_size).split(micro_batch_size)[:limit]
         if not self.cfg.num_workers:

@@ -8,13 +8,15 @@ hang, whose state the others take, how long to wait for a replacement.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .contract import Failure, Status
 from .errors import RaytrainerError, WorkerError
 
-__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "blame", "choose_source",
-           "choose_state", "keep_waiting_for_placement", "root_causes"]
+__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "blame",
+           "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
+           "leave_draining_nodes", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -81,19 +83,21 @@ def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[i
     return sorted(r for r, s in answering.items() if s.progress == least)
 
 
-def choose_source(statuses: dict[int, Status]) -> int:
+def choose_source(statuses: dict[int, Status], avoid: Iterable[int] = ()) -> int:
     """The survivor whose state every worker takes: the one furthest ahead (the others
-    stopped where a peer failed under them, at most one step behind), the lowest rank
-    among equals."""
-    return max(sorted(statuses), key=lambda r: statuses[r].position)
+    stopped where a peer failed under them, at most one step behind); among equals, one
+    not in `avoid` (workers about to leave a draining node), then the lowest rank."""
+    avoid = set(avoid)
+    return max(sorted(statuses), key=lambda r: (statuses[r].position, r not in avoid))
 
 
-def choose_state(holders: dict[int, Status], kept: Status | None) -> tuple[int | None, bool]:
+def choose_state(holders: dict[int, Status], kept: Status | None,
+                 avoid: Iterable[int] = ()) -> tuple[int | None, bool]:
     """Whose state a re-formed group continues from: (the survivor furthest ahead, or None
     for none, and whether its state must be taken), given the survivors holding a state
     and the position of the copy kept from an earlier attempt of this recovery, if any.
     The kept copy serves when no survivor is further (its giver may be gone since)."""
-    source = choose_source(holders) if holders else None
+    source = choose_source(holders, avoid) if holders else None
     if kept is not None and (source is None or kept.position >= holders[source].position):
         return (source if source is not None and holders[source].position == kept.position else None), False
     return source, source is not None
@@ -107,6 +111,51 @@ def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min
     if waited_s >= placement_timeout_s:
         return False
     return waited_s < replace_timeout_s or others + placed < min_workers
+
+
+def draining_ranks(draining: dict[str, float | None], nodes: list[str]) -> dict[str, list[int]]:
+    """Of the nodes being drained (node id -> deadline), those the group runs on, with the
+    ranks on each (`nodes`: each rank's node id). A drain elsewhere does not concern us."""
+    out: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        if node in draining:
+            out.setdefault(node, []).append(rank)
+    return out
+
+
+# How long before a drain's deadline the workers must be off the node at the latest,
+# beyond the time they take to reach a common step boundary: the re-form itself (taking
+# the state, the rendezvous) and a margin for a slow machine.
+LEAVE_MARGIN_S = 10.0
+
+
+def leave_draining_nodes(*, leaving: int, ready: int, world: int, min_workers: int,
+                         seconds_left: float | None, waited_s: float, replace_timeout_s: float,
+                         pause_s: float) -> tuple[bool, str]:
+    """Whether the workers on draining nodes leave now (pause at the next common step and
+    re-form without them), and why. `leaving`: how many must go; `ready`: how many of their
+    replacements (started on other nodes) are up; `seconds_left`: until the earliest
+    deadline (None: the drain has none); `waited_s`: since the drain was noticed;
+    `pause_s`: how long the workers take to reach a common step boundary.
+
+    Leave as soon as every leaving worker has a replacement (the world size is kept).
+    Otherwise wait for replacements up to replace_timeout_s, but no later than the deadline
+    allows, then leave without the missing ones if the rest make min_workers (the group
+    shrinks). If they do not, stay: training goes on until the node is gone, and its loss
+    is recovered as a failure (leaving early would only stop training sooner)."""
+    if leaving == 0:
+        return False, "no worker on a draining node"
+    if ready >= leaving:
+        return True, f"{leaving} replacement(s) ready on other nodes"
+    urgent = seconds_left is not None and seconds_left <= pause_s + LEAVE_MARGIN_S
+    if world - (leaving - ready) < min_workers:
+        return False, (f"only {world - leaving + ready} workers would remain, fewer than min_workers="
+                       f"{min_workers}: training goes on until the node is gone")
+    if urgent:
+        return True, f"the deadline is {seconds_left:.0f} s away: leaving with {ready} of {leaving} replaced"
+    if waited_s >= replace_timeout_s:
+        return True, f"no room for {leaving - ready} replacement(s) within replace_timeout_s={replace_timeout_s:g}"
+    return False, "waiting for replacements"
 
 
 def root_causes(failures: list[Failure]) -> list[Failure]:

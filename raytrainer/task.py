@@ -59,6 +59,14 @@ class Task:
         return self.train_step(model, batch)
 
 
+    # Optional, for trainer.strategy=fsdp only: define
+    #
+    #     def shard(self, model, mesh): ...
+    #
+    # to shard the model yourself: apply torch.distributed.fsdp.fully_shard(unit, mesh=mesh)
+    # to each unit, then to the model, and return it (or None). It replaces trainer.fsdp.
+
+
 REQUIRED = ("build_model", "build_optimizer", "train_dataset", "train_step")
 
 

@@ -72,9 +72,10 @@ class Worker:
         return self.node().ip, free_port()
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | None = None) -> tuple[int | None, int]:
-        """Join the group, build the task, and load `resume` (checkpoint bytes, or a
-        survivor's state) if given. Returns (total steps, steps per epoch)."""
+              resume: bytes | str | None = None) -> tuple[int | None, int, bool]:
+        """Join the group, build the task, and load `resume` if given: a torch.save'd state
+        (a state.pt checkpoint, or a survivor's state), or the URI of a sharded checkpoint's
+        directory. Returns (total steps, steps per epoch, whether the state is replicated)."""
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop
 
@@ -91,12 +92,12 @@ class Worker:
             init_group(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
             callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
             self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
-                             report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(rank),
+                             report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(),
                              checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
                              chaos_claim=self._chaos_claim, max_world_size=cfg.scaling.max_workers,
                              base_world_size=cfg.scaling.num_workers, data=cfg.data,
-                             state=_load(resume) if resume is not None else None)
-            return self.loop.total_steps, self.loop.plan.steps_per_epoch
+                             state=_load(resume) if isinstance(resume, bytes) else resume)
+            return self.loop.total_steps, self.loop.plan.steps_per_epoch, self.loop.strategy.replicated
 
     def run(self) -> RunEnd:
         """Train to the end ("finished"; rank 0 adds the final weights as torch.save
@@ -195,8 +196,6 @@ class Worker:
                 self.loop.load_state_dict(_load(state))
             init_group(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
             self.rank = rank
-            # Only rank 0 writes, and ranks are renumbered when the group shrinks.
-            self.loop.checkpoints = (self.loop.checkpoints or self._checkpoints(0)) if rank == 0 else None
             self.loop.regroup(rank, world_size)
             return self.loop.step
 
@@ -210,11 +209,11 @@ class Worker:
         key = f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}"
         return not _internal_kv_put(key, b"1", overwrite=False)
 
-    def _checkpoints(self, rank: int):
+    def _checkpoints(self):
         from .checkpoint import Checkpoints, Storage
 
         cfg = self.config
-        return Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint) if rank == 0 else None
+        return Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint)
 
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Metric rows and lifecycle events since the last drain (rank 0 holds the

@@ -12,6 +12,12 @@ import tempfile
 import time
 
 
+def parent(pid: int) -> int:
+    """The parent pid of a process (a Ray worker's is its node's raylet)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

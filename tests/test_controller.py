@@ -46,6 +46,12 @@ class FakeGroup:
             raise item
         return item
 
+    def draining(self):
+        return {}
+
+    def replacements(self, ranks):
+        return []
+
     def shutdown(self):
         self.calls.append(("shutdown",))
 
@@ -289,3 +295,42 @@ def test_a_worker_lost_while_the_group_first_forms_is_recovered_from(tmp_path):
     events.close()
     assert ("reform", (1,)) in group.calls
     assert [e["event"] for e in read(tmp_path / "events.jsonl")][:3] == ["run_started", "worker_failed", "recovered"]
+
+
+class ShardedGroup(FailingGroup):
+    """Workers whose strategy shards the state (FSDP): setup says so."""
+
+    def setup(self, resume=None):
+        self.calls.append(("setup", resume))
+        return Formed(NODES, total_steps=3, replicated=False)
+
+
+def test_sharded_state_recovers_from_the_newest_checkpoint_not_from_survivors(tmp_path):
+    checkpoint = (2, "step-00000002", "/runs/r/checkpoints/step-00000002")
+    group = ShardedGroup([Poll(rows(1, 2, 3)), Poll(failures=[died(1, step=3)]), Poll(failures=[interrupted(0)]),
+                          Poll(rows(3), done=True, result=WEIGHTS)], [])
+    controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: checkpoint)
+    assert controller.run() == WEIGHTS
+    events.close()
+    # No re-form from the survivor: the whole group restarts, every worker reading its shards.
+    assert not [c for c in group.calls if c[0] == "reform"]
+    assert [c for c in group.calls if c[0] in ("setup", "shutdown")] == [
+        ("setup", None), ("shutdown",), ("setup", checkpoint[2]), ("shutdown",)]
+    recovered = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered")
+    assert recovered["from_checkpoint"] == "step-00000002" and recovered["steps_lost"] == 1
+
+
+def test_a_sharded_run_resizes_through_the_checkpoint_its_workers_wrote_as_they_paused(tmp_path):
+    paused = RunEnd("paused", 2, time=0.0)
+    checkpoint = (2, "step-00000002", "/runs/r/checkpoints/step-00000002")
+    group = ShardedGroup([Poll(rows(1, 2), paused={0: paused}), Poll(paused={1: paused}),
+                          Poll(rows(3), done=True, result=WEIGHTS)], [])
+    controller, events = recovering(tmp_path, group, max_failures=0, restore=lambda: checkpoint)
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert [c for c in group.calls if c[0] in ("setup", "shutdown")] == [
+        ("setup", None), ("shutdown",), ("setup", checkpoint[2]), ("shutdown",)]
+    log = read(tmp_path / "events.jsonl")
+    resized = next(e for e in log if e["event"] == "resized")
+    assert resized["step"] == 2 and resized["cause"] == "room to grow"
+    assert not [e for e in log if e["event"] in ("worker_failed", "recovered")]

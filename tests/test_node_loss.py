@@ -7,7 +7,7 @@ import torch
 
 from .conftest import assert_no_leaks
 from .faults import Run, kill
-from .ray_procs import local_cluster
+from .ray_procs import local_cluster, parent
 
 
 def config(tmp_path, name, slow_while=None):
@@ -19,11 +19,6 @@ def config(tmp_path, name, slow_while=None):
         "failure": {"step_timeout_s": 20, "max_failures": 2},
         "run": {"name": name, "storage": str(tmp_path)},
     }
-
-
-def parent(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.fixture(scope="module")

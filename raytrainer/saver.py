@@ -1,0 +1,91 @@
+"""When and how a rank saves checkpoints: at most once per step, synchronously or (with
+checkpoint.async) in the background, where the step only waits for the copy of the
+state to CPU. A write that failed in the background is raised on the training thread at
+the next save or at the end of the run, never lost.
+
+Replicated state (DDP): rank 0 writes state.pt, the other ranks go on at once.
+Sharded state (FSDP): every rank writes its shards (a collective: every rank saves at
+the same steps), and rank 0 commits once all are written (see checkpoint.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .checkpoint import AsyncWriter, Checkpoints, Committed, to_cpu
+from .config import CheckpointConfig
+
+
+class CheckpointSaver:
+    def __init__(self, checkpoints: Checkpoints | None, cfg: CheckpointConfig,
+                 on_commit: Callable[[Committed, str], None], *, replicated: bool = True, rank: int = 0):
+        self.checkpoints = checkpoints  # None: nowhere to write (a loop run on its own)
+        self.cfg = cfg
+        self.on_commit = on_commit  # (the checkpoint, its path)
+        self.replicated, self.rank = replicated, rank
+        self.saved_step = -1
+        self._writer: AsyncWriter | None = None
+        self._sharded: Any = None  # sharded.AsyncShardedSaver, for checkpoint.async
+        self._error: BaseException | None = None
+
+    def save(self, step: int, state: Callable[[], dict[str, Any]], metrics: dict[str, float]) -> None:
+        """Save the state after `step` (a no-op if it is saved already). Only rank 0 writes
+        the replicated state: no collective, the other ranks go on."""
+        if step == self.saved_step:
+            return
+        self.saved_step = step
+        self.raise_error()
+        if self.checkpoints is None or (self.replicated and self.rank != 0):
+            return
+        if not self.replicated:
+            self._save_sharded(step, state(), dict(metrics))
+        elif self.cfg.async_save:
+            if self._writer is None:
+                self._writer = AsyncWriter(self.checkpoints, self._committed, self._failed)
+            self._writer.submit(step, to_cpu(state()), dict(metrics))
+        else:
+            self._committed(self.checkpoints.write(step, state(), dict(metrics)))
+
+    def _save_sharded(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> None:
+        from .sharded import AsyncShardedSaver, save_sharded
+
+        checkpoints = self.checkpoints
+        if not self.cfg.async_save:
+            files = save_sharded(state, checkpoints.storage, checkpoints.rel(step))
+            if self.rank == 0:
+                self._committed(checkpoints.commit_sharded(step, files, metrics))
+            return
+        if self._sharded is None:  # its own Gloo group: made now, at the same step on every rank
+            self._sharded = AsyncShardedSaver()
+        future = self._sharded.save(state, checkpoints.storage, checkpoints.rel(step))
+
+        def done(future: Any) -> None:  # on DCP's thread, once every rank's shards are written
+            try:
+                files = future.result()
+                if self.rank == 0:
+                    self._committed(checkpoints.commit_sharded(step, files, metrics))
+            except BaseException as exc:
+                self._failed(exc)
+
+        future.add_done_callback(done)
+
+    def finish(self) -> None:
+        """Wait for a write under way; raise if one failed."""
+        if self._writer is not None:
+            self._writer.wait()
+        if self._sharded is not None:
+            try:
+                self._sharded.wait()
+            except BaseException:
+                pass  # its done callback has kept the error
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {exc}") from exc
+
+    def _committed(self, ckpt: Committed) -> None:
+        self.on_commit(ckpt, self.checkpoints.storage.path(f"{self.checkpoints.prefix}/{ckpt.name}"))
+
+    def _failed(self, exc: BaseException) -> None:
+        self._error = exc

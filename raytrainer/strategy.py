@@ -1,0 +1,238 @@
+"""How the ranks divide the training state: a Strategy.
+
+The loop, the worker and the group ask the strategy instead of assuming:
+- how to make the model the step calls (wrap), how to accumulate without a gradient
+  sync, and how to clip the global gradient norm;
+- the model and optimizer state for recovery and checkpoints, and the full weights at
+  the end;
+- whether the state is `replicated` (every rank holds all of it, so any survivor can
+  give it to a replacement) or sharded (a lost rank's shards exist nowhere else).
+
+DDP: replicated, checkpoints are one `state.pt` written by rank 0. FSDP: sharded,
+checkpoints are torch.distributed.checkpoint directories written by every rank (the
+torch-level pieces are in sharded.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import TrainerConfig
+from .syncbn import convert_sync_batchnorm
+
+
+class Strategy(Protocol):
+    name: str
+    replicated: bool
+    """Every rank holds the whole state (a survivor's state is everybody's)."""
+
+    def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """The module to build the optimizer over: converted, on its device, sharded."""
+
+    def wrap(self, module: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
+        """The model the step calls, once the state is loaded."""
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A micro-batch's backward that only accumulates: no gradient communication."""
+
+    def clip_grad_norm(self, module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm over all ranks' gradients; return the norm before."""
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """fp16's loss scaler; every rank must skip the same steps."""
+
+    def model_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's state dicts (this rank's shards, if sharded)."""
+
+    def load_model_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         model: dict, optim: dict) -> None: ...
+
+    def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on CPU, on rank 0 (None elsewhere). A collective for
+        a sharded strategy: every rank calls it."""
+
+    def build_ema(self, module: torch.nn.Module, decay: float) -> Any:
+        """The exponential moving average of the weights (see state.TrainState)."""
+
+    def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
+        """The state saved in the checkpoint directory `uri`, read into `template` (this
+        rank's state, for its structure and shards)."""
+
+
+class DDP:
+    """DistributedDataParallel: every rank holds the whole model and optimizer."""
+
+    name = "ddp"
+    replicated = True
+
+    def __init__(self, cfg: TrainerConfig, most_workers: int):
+        self.cfg = cfg
+        # Decided once for the whole run: every rank must run the same collectives, and
+        # an elastic run may grow past one worker later.
+        self.sync_batchnorm = cfg.sync_batchnorm and most_workers > 1
+
+    def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        if self.sync_batchnorm:
+            module = convert_sync_batchnorm(module, device)
+        return module.to(device)
+
+    def wrap(self, module: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
+        if world_size == 1:
+            return module
+        # Wrapping broadcasts rank 0's weights to every rank: the state must be final.
+        ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        if hasattr(ddp.reducer, "_rebuild_buckets"):
+            ddp.reducer = _FixedBuckets(ddp.reducer)
+        return ddp
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+    def clip_grad_norm(self, module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(device.type)  # gradients are all-reduced: the same inf everywhere
+
+    def model_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return module.state_dict(), optimizer.state_dict()
+
+    def load_model_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         model: dict, optim: dict) -> None:
+        module.load_state_dict(model)
+        optimizer.load_state_dict(optim)
+
+    def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def build_ema(self, module: torch.nn.Module, decay: float) -> Any:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        # Every rank applies the same averaged gradients, so every rank's EMA is the
+        # same without any communication.
+        return AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+    def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
+        from .checkpoint import STATE, Storage
+
+        import io
+
+        return torch.load(io.BytesIO(Storage(uri).read(STATE)), weights_only=True)
+
+
+class FSDP:
+    """torch's FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over
+    the ranks, gathered unit by unit for the forward and backward (see sharded.py)."""
+
+    name = "fsdp"
+    replicated = False
+
+    def __init__(self, cfg: TrainerConfig, task: Any = None):
+        self.cfg, self.options, self.task = cfg, cfg.fsdp, task
+
+    def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule
+
+        from .errors import TaskError
+        from .sharded import default_mesh, shard_model
+
+        module = module.to(device)
+        mesh = default_mesh(device.type)
+        hook = getattr(self.task, "shard", None)
+        if hook is None:
+            dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+            try:
+                return shard_model(module, mesh, shard_classes=self.options.shard,
+                                   reshard_after_forward=self.options.reshard_after_forward,
+                                   param_dtype=dtypes[self.options.param_dtype],
+                                   reduce_dtype=dtypes[self.options.reduce_dtype])
+            except ValueError as exc:  # a class name the model does not have
+                from .errors import ConfigError
+
+                raise ConfigError(f"trainer.fsdp.shard: {exc}") from None
+        module = hook(module, mesh) or module
+        if not isinstance(module, FSDPModule):
+            raise TaskError(f"{type(self.task).__name__}.shard(model, mesh) must apply fully_shard to the "
+                            "model itself (its root), after its units, and return it or None")
+        return module
+
+    def wrap(self, module: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
+        return module  # fully_shard changed the module in place
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module):
+        model.set_requires_gradient_sync(False)  # keep unsharded gradients; no reduce-scatter
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        from .sharded import clip_grad_norm
+
+        return clip_grad_norm(module.parameters(), max_norm)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        # DTensor all-reduces the inf check of sharded gradients: every rank skips alike.
+        return torch.amp.GradScaler(device.type)
+
+    def model_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from .sharded import get_train_state
+
+        state = get_train_state(module, optimizer)
+        return state["model"], state["optimizer"]
+
+    def load_model_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         model: dict, optim: dict) -> None:
+        from .sharded import set_train_state
+
+        set_train_state(module, optimizer, {"model": model, "optimizer": optim})
+
+    def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        from .sharded import full_model_state
+
+        return full_model_state(module)
+
+    def build_ema(self, module: torch.nn.Module, decay: float) -> Any:
+        from .sharded import ShardedEMA
+
+        return ShardedEMA(module, decay)  # AveragedModel's deepcopy of a sharded module fails
+
+    def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
+        from .checkpoint import Storage
+        from .sharded import load_sharded
+
+        parent, name = uri.rstrip("/").rsplit("/", 1)
+        return load_sharded(template, Storage(parent), name)  # resharded to this world size
+
+
+class _FixedBuckets:
+    """DDP's reducer, except that it never rebuilds its gradient buckets.
+
+    DDP re-buckets once, after its first iteration, by the order gradients became ready.
+    The bucket layout decides how a collective splits the gradients over ranks, and so
+    the order in which each element is summed: with 3 or more ranks a fresh DDP (every
+    re-form) would sum its first step differently from the undisturbed run, and the
+    weights would drift by a few ulps (measured: Gloo, 3 ranks). The layout DDP starts
+    with (parameters in reverse order, which backward mostly follows) is kept instead.
+    Any other use of the reducer passes through."""
+
+    def __init__(self, reducer: Any):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def build_strategy(cfg: TrainerConfig, most_workers: int, task: Any = None) -> Strategy:
+    """`most_workers`: the largest world size the run may reach; `task`: for its shard hook."""
+    return FSDP(cfg, task) if cfg.strategy == "fsdp" else DDP(cfg, most_workers)

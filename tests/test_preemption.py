@@ -1,0 +1,292 @@
+"""A node drained for preemption (Ray's draining state, with a deadline) is left at a step
+boundary before it goes: the decisions alone, the controller against a fake group, and a
+real drain on a local multi-node Ray (one raylet per 1-CPU node, on this machine)."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from raytrainer.contract import Node, Poll, Reformed, RunEnd, Status
+from raytrainer.controller import Controller
+from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
+from raytrainer.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
+
+from .ray_procs import parent
+
+# ---------------------------------------------------------------------- the policy alone
+
+
+def test_only_drains_of_our_nodes_concern_us():
+    assert draining_ranks({"b": 100.0, "x": None}, ["a", "b", "b", "c"]) == {"b": [1, 2]}
+    assert draining_ranks({}, ["a"]) == {}
+
+
+def leave(**kw):
+    args = dict(leaving=1, ready=0, world=3, min_workers=3, seconds_left=60.0, waited_s=0.0,
+                replace_timeout_s=10.0, pause_s=1.0)
+    return leave_draining_nodes(**{**args, **kw})
+
+
+def test_leave_as_soon_as_every_leaver_has_a_replacement():
+    assert leave(ready=1)[0]
+    assert leave(leaving=2, ready=2, seconds_left=None)[0]
+    assert not leave(leaving=0)[0]
+
+
+def test_wait_for_replacements_up_to_replace_timeout_then_shrink_if_min_workers_hold():
+    assert not leave(min_workers=2, waited_s=5.0)[0]  # replacements may still come
+    go, why = leave(min_workers=2, waited_s=10.0)
+    assert go and "replace_timeout_s=10" in why
+    go, why = leave(min_workers=2, seconds_left=LEAVE_MARGIN_S + 0.5)  # not before the deadline allows
+    assert go and "deadline" in why
+    assert leave(min_workers=2, seconds_left=-5.0)[0]  # past its deadline, the node still runs: go now
+
+
+def test_below_min_workers_training_goes_on_until_the_node_is_gone():
+    go, why = leave(min_workers=3, waited_s=100.0, seconds_left=1.0)
+    assert not go and "min_workers=3" in why
+
+
+def test_the_state_comes_from_a_worker_that_stays_among_equals():
+    at = {r: Status(5, 0, "framework") for r in range(3)}
+    assert choose_source(at) == 0 and choose_source(at, avoid=[0]) == 1
+    ahead = {**at, 0: Status(6, 0, "framework")}
+    assert choose_source(ahead, avoid=[0]) == 0  # further ahead wins: its state is newer
+
+
+# ---------------------------------------------------------------------- the controller
+
+NODES = [Node("10.0.0.1", node_id="n1", pid=1), Node("10.0.0.2", node_id="n2", pid=2)]
+
+
+class DrainedGroup:
+    """Two workers; node n2 is drained after the first poll; its worker's replacement is up
+    at the second look."""
+
+    def __init__(self, polls, ready_after=1, deadline=None):
+        self.polls, self.calls = list(polls), []
+        self.looks = 0
+        self.ready_after = ready_after
+        self.deadline = deadline or time.time() + 60
+
+    def start(self):
+        return NODES
+
+    def check_storage(self, nodes):
+        return None
+
+    def setup(self, resume=None):
+        from raytrainer.contract import Formed
+        return Formed(NODES, total_steps=4)
+
+    def launch(self):
+        self.calls.append(("launch",))
+
+    def poll(self, timeout):
+        return self.polls.pop(0)
+
+    def draining(self):
+        return {"n2": self.deadline, "elsewhere": None} if self.looks else {}  # from the second look
+
+    def replacements(self, ranks):
+        self.calls.append(("replacements", tuple(ranks)))
+        self.looks += 1
+        return list(ranks) if ranks and self.looks > self.ready_after else []
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def reform(self, dead, leave=()):
+        self.calls.append(("reform", tuple(dead), tuple(leave)))
+        return Reformed(step=2, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def rows(*steps):
+    return [{"step": s, "epoch": 0, "world_size": 2, "time": 0.0, "loss": 1.0} for s in steps]
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_path):
+    paused = RunEnd("paused", 2, time=time.time())
+    done = RunEnd("finished", 4, stop_reason="completed", model=b"w")
+    group = DrainedGroup([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
+                          Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)])
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 2, MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events,
+                            poll_interval_s=0, drain_check_s=0)
+    assert controller.run() == done
+    events.close()
+    calls = [c for c in group.calls if c[0] in ("replacements", "pause", "reform")]
+    # Asked for rank 1's replacement until it was up, then paused once, re-formed without it.
+    assert calls[-3:] == [("replacements", (1,)), ("pause",), ("reform", (), (1,))]
+    log = read(tmp_path / "events.jsonl")
+    names = [e["event"] for e in log]
+    assert names.count("node_draining") == 1 and "worker_failed" not in names and "recovered" not in names
+    assert "resized" not in names  # the same world size: rank 1 moved
+    noticed = next(e for e in log if e["event"] == "node_draining")
+    assert noticed["node_id"] == "n2" and noticed["ranks"] == [1] and noticed["node"] == "10.0.0.2"
+    left = next(e for e in log if e["event"] == "left_node")
+    assert (left["node_id"], left["ranks"], left["moved"], left["dropped"], left["steps_lost"]) == \
+        ("n2", [1], [1], [], 0)
+    assert left["deadline"] == group.deadline and 0 < left["seconds_to_deadline"] <= 60
+    assert controller.world == 2 and controller._nodes[1].node_id == "n3"
+
+
+def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
+    paused = RunEnd("paused", 2, time=time.time())
+    done = RunEnd("finished", 4, stop_reason="completed", model=b"w")
+
+    class NoRoom(DrainedGroup):
+        def reform(self, dead, leave=()):
+            self.calls.append(("reform", tuple(dead), tuple(leave)))
+            return Reformed(step=2, nodes=[NODES[0]], source=0, dropped=[1])
+
+        def joinable(self):
+            return 0
+
+    group = NoRoom([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
+                    Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)], ready_after=99)
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 1, MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events, poll_interval_s=0,
+                            drain_check_s=0, max_workers=2, grow_check_s=99, replace_timeout_s=0)
+    controller.run()
+    events.close()
+    log = read(tmp_path / "events.jsonl")
+    resized = next(e for e in log if e["event"] == "resized")
+    assert (resized["old_world_size"], resized["new_world_size"], resized["cause"]) == (2, 1, "preemption")
+    left = next(e for e in log if e["event"] == "left_node")
+    assert left["dropped"] == [1] and "replace_timeout_s=0" in left["reason"]
+
+
+# ---------------------------------------------------------------------- a real drain
+
+
+STEPS = 60
+
+
+def config(tmp_path, name, slow_while=None, **scaling):
+    # No dropout: its masks are drawn per rank, so a run that shrinks would not end near
+    # the undisturbed one (that the streams survive a re-form is test_node_loss's check).
+    args = {"dropout": 0.0, "sleep_s": 0.3, "slow_while": slow_while}
+    return {
+        "task": {"target": "tests.tasks:ElasticTask", "args": args},
+        "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
+        "scaling": {"num_workers": 3, **scaling},
+        # No failure allowed: leaving a drained node must not count as one.
+        "failure": {"step_timeout_s": 20, "max_failures": 0},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from .ray_procs import local_cluster
+
+    with local_cluster(3) as cluster:  # a head with no CPUs for workers, three 1-CPU nodes
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def base(cluster, tmp_path_factory):
+    """An undisturbed 3-worker run."""
+    from .faults import Run
+
+    return Run(config(tmp_path_factory.mktemp("base"), "base")).result()
+
+
+def drain_rank_1(cluster, run, add_node=False):
+    """Drain the node of rank 1, 30 s ahead (after adding a node, if asked); wait for its
+    workers to leave; return the node, the deadline and the `left_node` event."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    run.wait_for_step(3)
+    raylets = {node.all_processes["raylet"][0].process.pid: node for node in cluster.worker_nodes}
+    drained = raylets[parent(run.pids()[1])]
+    if add_node:
+        cluster.add_node(num_cpus=1)  # room for its replacement
+    deadline = time.time() + 30
+    accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
+        drained.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot instance reclaimed (test)", int(deadline * 1000))
+    assert accepted, why
+    t0 = time.monotonic()
+    while not (left := [e for e in run.events() if e["event"] == "left_node"]):
+        assert time.monotonic() - t0 < 30, f"the workers did not leave the drained node: {run.events()}"
+        time.sleep(0.2)
+    raylet = drained.all_processes["raylet"][0].process.pid
+    assert not [pid for pid in left[0]["pids"] if parent(pid) == raylet], "a worker is still on the drained node"
+    return drained, deadline, left[0]
+
+
+def wait_node_gone(node_id):
+    """Our slots there released (the run ended), the drained node is idle: Ray ends it."""
+    import ray
+
+    t0 = time.monotonic()
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() - t0 < 20, "the drained node did not exit once idle"
+        time.sleep(0.5)
+
+
+def test_a_node_drained_for_preemption_is_left_before_its_deadline(cluster, base, tmp_path):
+    from .conftest import assert_no_leaks
+    from .faults import Run
+
+    slow = tmp_path / "slow"  # the run goes slowly while it exists
+    slow.touch()
+    run = Run(config(tmp_path, "drained", str(slow)))
+    drained, deadline, left = drain_rank_1(cluster, run, add_node=True)
+    slow.unlink()
+    result = run.result()
+
+    # Left before the deadline, with a replacement elsewhere: the same world size, no failure,
+    # nothing lost, every step once, and the weights of the undisturbed run, bit for bit.
+    assert (left["node_id"], left["ranks"], left["moved"], left["dropped"]) == (drained.node_id, [1], [1], [])
+    assert left["seconds_to_deadline"] > 0 and left["deadline"] == pytest.approx(deadline, abs=0.01)
+    names = [e["event"] for e in result.events]
+    assert "node_draining" in names and not {"worker_failed", "recovered", "resized"} & set(names)
+    steps = [r["step"] for r in result.history if "loss" in r]
+    assert steps == list(range(1, STEPS + 1)) and {r["world_size"] for r in result.history} == {3}
+    a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (base, result))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_no_leaks()
+    wait_node_gone(drained.node_id)
+
+
+def test_an_elastic_run_with_no_room_elsewhere_leaves_the_drained_node_and_shrinks(cluster, base, tmp_path):
+    """Three nodes, three workers (min 2): no room for a replacement, so after
+    replace_timeout_s the group goes on without the drained node's worker."""
+    from .conftest import assert_no_leaks
+    from .faults import Run
+
+    slow = tmp_path / "slow"
+    slow.touch()
+    run = Run(config(tmp_path, "shrunk", str(slow), min_workers=2, max_workers=3, replace_timeout_s=2))
+    drained, _, left = drain_rank_1(cluster, run)
+    slow.unlink()
+    result = run.result()
+
+    assert (left["ranks"], left["moved"], left["dropped"]) == ([1], [], [1]) and left["seconds_to_deadline"] > 0
+    assert "replace_timeout_s=2" in left["reason"]
+    resized = [e for e in result.events if e["event"] == "resized"]
+    assert [(e["old_world_size"], e["new_world_size"], e["cause"]) for e in resized] == [(3, 2, "preemption")]
+    assert not {"worker_failed", "recovered"} & {e["event"] for e in result.events}
+    train = [r for r in result.history if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    sizes = [r["world_size"] for r in train]
+    assert sizes == sorted(sizes, reverse=True) and set(sizes) == {3, 2}
+    # The same maths at 3 and 2 workers: the undisturbed run's weights up to float rounding.
+    a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (base, result))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert_no_leaks()
+    wait_node_gone(drained.node_id)
