@@ -173,8 +173,11 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     import yaml
 
     path.write_text(yaml.safe_dump(cfg))
+    # Each driver starts its own local Ray (a plain ray.init() would join whichever Ray it
+    # finds on the machine, and fail where it finds several).
+    env = {**os.environ, "RAY_ADDRESS": "local"}
     driver = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", str(path), "--no-progress"],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     events = tmp_path / "killed" / "events.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -188,7 +191,7 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run
 
     proc = subprocess.run([sys.executable, "-m", "raytrainer", "resume", str(tmp_path / "killed"),
-                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     log = [json.loads(line) for line in events.read_text().splitlines()]
     assert [e["event"] for e in log].count("resumed") == 1
