@@ -254,7 +254,15 @@ class ShardedEMA:
 
 
 def _averaged(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters and buffers in state-dict order (buffers are replicated plain tensors)."""
+    """Parameters (the shards) and buffers in state-dict order (buffers are replicated
+    plain tensors). After a forward with no backward (validation) FSDP keeps the root's
+    parameters gathered, and any unit's with reshard_after_forward=False: registered as
+    the full tensors until resharded, so reshard first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     return list(module.named_parameters()) + list(module.named_buffers())
 
 

@@ -51,16 +51,12 @@ def fsdp2(ray_local, tmp_path_factory):
     return raytrainer.train(config(tmp_path_factory.mktemp("fsdp"), "fsdp2"), progress=False)
 
 
-def test_fsdp_on_two_workers_matches_ddp_on_one(fsdp2, tmp_path):
-    ddp1 = raytrainer.train(config(tmp_path, "ddp1", workers=1, strategy="ddp"), progress=False)
-    assert_close(weights(fsdp2), weights(ddp1))  # model.pt: the EMA weights, consolidated
-    a, b = losses(fsdp2), losses(ddp1)
-    assert sorted(a) == list(range(1, STEPS + 1)) and all(abs(a[s] - b[s]) < 1e-5 for s in a)
-    val = [(r["step"], r["val_loss"]) for r in fsdp2.history if "val_loss" in r]
-    assert [s for s, _ in val] == [4, 8]
-    assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(val, [(r["step"], r["val_loss"]) for r in ddp1.history
-                                                                  if "val_loss" in r]))
+def test_fsdp_rows(fsdp2):
+    """Every step logged once with its pre-clip norm, validation at 4 and 8. (That the maths
+    is DDP's on one worker, accumulation, clipping and EMA included, is test_strategy's.)"""
+    assert sorted(losses(fsdp2)) == list(range(1, STEPS + 1))
     assert all("grad_norm" in r for r in fsdp2.history if "loss" in r)
+    assert [r["step"] for r in fsdp2.history if "val_loss" in r] == [4, 8]
 
 
 def test_fsdp_checkpoints_are_sharded_and_committed(fsdp2):

@@ -28,24 +28,33 @@ class ShardsItself(RegressionTask):
 
 def _train(rank, world, task, strategy, **trainer):
     rows = []
-    cfg = TrainerConfig(max_steps=4, global_batch_size=16, val_every_n_steps=4, strategy=strategy, **trainer)
+    trainer = {"global_batch_size": 16, **trainer}
+    cfg = TrainerConfig(max_steps=4, val_every_n_steps=4, strategy=strategy, **trainer)
     loop = Loop(task, cfg, rank=rank, world_size=world, device=torch.device("cpu"), report=rows.extend)
     weights = loop.fit()
     return weights, rows, type(loop.module).__name__
 
 
-def test_a_tasks_own_sharding_trains_and_validates_every_sample_once():
-    """65 validation samples over 2 ranks: 33 and 32, 5 and 4 batches of 8. The sharded
-    forward is a collective, so rank 1 runs a fifth, uncounted batch; the mean sample
-    index (0..64) shows every sample counted once."""
-    task = ShardsItself(val_samples=65)
-    ranks = run_ranks(_train, 2, task, "fsdp", micro_batch_size=8)
+FEATURES = {"global_batch_size": 32, "micro_batch_size": 8, "grad_clip_norm": 0.5, "ema_decay": 0.9}
+
+
+def test_fsdp_on_two_ranks_is_ddp_on_one_and_validates_every_sample_once():
+    """The same maths: 2 micro-batches of 8 accumulated per rank (no reduce-scatter between
+    them), the global norm clipped over shards, EMA kept as shards and validated and
+    exported consolidated. And 65 validation samples over 2 ranks are 33 and 32, 5 and 4
+    batches of 8: the sharded forward is a collective, so rank 1 runs a fifth, uncounted
+    batch; the mean sample index (0..64) shows every sample counted once."""
+    ranks = run_ranks(_train, 2, ShardsItself(val_samples=65), "fsdp", **FEATURES)
     (weights, rows, kind), (none, others, _) = ranks
     assert kind.startswith("FSDP") and none is None and others == []
     val = [r for r in rows if "val_index" in r]
     assert len(val) == 1 and val[0]["val_index"] == pytest.approx(32.0)
-    alone = run_ranks(_train, 1, RegressionTask(val_samples=65), "ddp", micro_batch_size=8)[0]
-    assert all(torch.allclose(weights[k], alone[0][k], atol=1e-5) for k in weights)
+    alone = run_ranks(_train, 1, RegressionTask(val_samples=65), "ddp", **FEATURES)[0]
+    assert all(torch.allclose(weights[k], alone[0][k], atol=1e-6) for k in weights)
+    curve = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    reference = [(r["step"], r["loss"], r["grad_norm"]) for r in alone[1] if "loss" in r]
+    assert [c[0] for c in curve] == [1, 2, 3, 4] == [c[0] for c in reference]
+    assert [v for c in curve for v in c[1:]] == pytest.approx([v for c in reference for v in c[1:]], rel=1e-5)
     assert val[0]["val_loss"] == pytest.approx([r for r in alone[1] if "val_loss" in r][0]["val_loss"], rel=1e-5)
 
 
