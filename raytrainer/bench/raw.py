@@ -1,5 +1,6 @@
 """Raw torch DDP (or FSDP2, with --strategy fsdp), the floor: `torch.multiprocessing`
-spawns the ranks, a Gloo group over TCP, a plain loop; rank 0 puts every step's loss on
+spawns the ranks, a Gloo group (its rendezvous a file in the run's work directory: a
+port picked ahead could be taken by another run meanwhile), a plain loop; rank 0 puts every step's loss on
 a queue the driver reads."""
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
     import torch.multiprocessing as mp
 
-    from ..dist import free_port
-
     phases = {"torch_imported": time.time()}
     ctx = mp.get_context("spawn")
     metrics = ctx.Queue()
-    procs = mp.start_processes(_raw_worker, args=(spec, free_port(), metrics), nprocs=spec["workers"],
+    store = work / "rendezvous"
+    store.unlink(missing_ok=True)
+    procs = mp.start_processes(_raw_worker, args=(spec, str(store), metrics), nprocs=spec["workers"],
                                join=False, start_method="spawn")
     phases["workers_spawned"] = time.time()
     rows, done = [], False
@@ -55,13 +56,13 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             "threads": phases.pop("threads", None)}
 
 
-def _raw_worker(rank: int, spec: dict[str, Any], port: int, metrics) -> None:
+def _raw_worker(rank: int, spec: dict[str, Any], store: str, metrics) -> None:
     import torch
     import torch.distributed as dist
 
     world = spec["workers"]
     torch.set_num_threads(1)  # as Ray does for a 1-CPU actor (OMP_NUM_THREADS=1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         if rank == 0:
             metrics.put(("phase", "group_formed", time.time()))
