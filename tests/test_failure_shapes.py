@@ -21,7 +21,10 @@ def config(tmp_path, name, chaos=(), **args):
         "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.1, "sleep_s": 0.01, **args}},
         "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
         "scaling": {"num_workers": 3},
-        "failure": {"chaos": list(chaos), "step_timeout_s": 3, "max_failures": 6},
+        # collective_timeout_s bounds a rendezvous left waiting for a peer lost meanwhile
+        # (once, in CI, a re-form of the double kill waited the default 600 s: not yet
+        # explained; this keeps such a wait from holding the module's CPUs for minutes).
+        "failure": {"chaos": list(chaos), "step_timeout_s": 3, "max_failures": 6, "collective_timeout_s": 30},
         "run": {"name": name, "storage": str(tmp_path)},
     }
 
@@ -55,8 +58,11 @@ def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
     assert_same(weights(result.run_dir), undisturbed)
     failed, recovered = of(result.events, "worker_failed"), of(result.events, "recovered")
     assert {f["rank"] for f in failed} == {1, 2} and all(f["kind"] == "died" for f in failed)
-    assert sum(r["attempts"] for r in recovered) == 2 and all(r["steps_lost"] <= 1 for r in recovered)
-    assert recovered[-1]["failures"] == 2
+    # Usually the second kill lands while the first recovery re-forms: two attempts. On a
+    # quiet machine both deaths may already be settled together: one attempt, one failure.
+    attempts = sum(r["attempts"] for r in recovered)
+    assert attempts in (1, 2) and all(r["steps_lost"] <= 1 for r in recovered)
+    assert recovered[-1]["failures"] == attempts
     assert result.metrics["step"] == STEPS
     assert_no_leaks()
 
