@@ -59,8 +59,10 @@ class Strategy(Protocol):
         """The exponential moving average of the weights (see state.TrainState)."""
 
     def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
-        """The state saved in the checkpoint directory `uri`, read into `template` (this
-        rank's state, for its structure and shards)."""
+        """Sharded strategies only: the state saved in the checkpoint directory `uri`,
+        read into `template` (this rank's state, for its structure and shards). A
+        replicated state reaches the workers as the bytes of its state.pt, read once by
+        the driver."""
 
 
 class DDP:
@@ -117,13 +119,6 @@ class DDP:
         # Every rank applies the same averaged gradients, so every rank's EMA is the
         # same without any communication.
         return AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
-
-    def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
-        from .checkpoint import STATE, Storage
-
-        import io
-
-        return torch.load(io.BytesIO(Storage(uri).read(STATE)), weights_only=True)
 
 
 class FSDP:
