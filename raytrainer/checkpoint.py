@@ -213,11 +213,12 @@ class Checkpoints:
 
 def to_cpu(obj: Any) -> Any:
     """A deep copy of a state tree with every tensor copied to CPU (the snapshot an
-    asynchronous save writes while training goes on)."""
+    asynchronous save writes while training goes on); of a DTensor, this rank's shard."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

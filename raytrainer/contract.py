@@ -48,6 +48,30 @@ class Status:
 
 
 @dataclass(frozen=True)
+class Holdings:
+    """Which peer snapshots a worker holds of a sharded state (see snapshot.py), answered
+    to the driver after a failure."""
+
+    rank: int
+    world_size: int
+    own: tuple[int, ...]
+    """Steps of its own snapshots."""
+    peer: tuple[int, ...]
+    """Steps of its copies of rank - 1's snapshots (mod world_size)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a worker loads to go on from a peer snapshot: rank `rank`'s state after `step`.
+    `data`: the torch.save'd state of its shards (the copy a peer held), or None for the
+    worker's own snapshot of `step`."""
+
+    step: int
+    rank: int
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
 class Failure:
     rank: int
     kind: Literal["died", "hung", "error", "interrupted"]
@@ -118,7 +142,7 @@ class Reformed:
     source: int | None
     """The rank (before the re-form) whose state every worker now has; None: the state
     was one kept from an earlier attempt of this recovery (`state_from`)."""
-    state_from: Literal["memory", "object_store", "checkpoint"] = "memory"
+    state_from: Literal["memory", "object_store", "checkpoint", "peers"] = "memory"
     replaced: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     moved: list[int] = field(default_factory=list)
@@ -127,6 +151,10 @@ class Reformed:
     `dropped`)."""
     added: int = 0
     resynced: list[int] = field(default_factory=list)
+    snapshot_step: int | None = None
+    """state_from "peers": the step of the snapshots every worker went back to."""
+    peers: dict[int, int] = field(default_factory=dict)
+    """state_from "peers": lost rank -> the rank whose copy of its snapshot it took."""
 
     @property
     def world_size(self) -> int:
@@ -158,6 +186,10 @@ class WorkerGroup(Protocol):
     def kill(self, rank: int) -> None: ...
     def abort(self, ranks: list[int]) -> None: ...
     def reform(self, dead: list[int], leave: list[int] = ()) -> Reformed: ...
+    def reform_from_peers(self, dead: list[int]) -> Reformed:
+        """Sharded state: replace the `dead` ranks and go back, at the same world size, to
+        the newest peer snapshot every worker has (NoSurvivors when there is none)."""
+        ...
     def joinable(self) -> int: ...
     def draining(self) -> dict[str, float | None]:
         """The cluster's nodes being drained (for preemption, or as idle): node id ->

@@ -15,9 +15,12 @@ whatever happened.
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
 its state to the others, and training goes on. Only when no worker survived does
-a checkpoint from storage (`restore`) take their place; and when the state is
-sharded (the strategy says so when the group forms), a lost worker's shards exist
-on no survivor, so the group restarts from the newest checkpoint. A resize of a
+a checkpoint from storage (`restore`) take their place. When the state is sharded
+(the strategy says so when the group forms), a lost worker's shards exist on no
+survivor: the group goes back to the newest peer snapshot (each worker keeps its own
+and a copy of its neighbour's in memory, snapshot.py), the replacements taking the
+copies, and replays the steps since; where no snapshot serves (a worker lost with the
+neighbour holding its copy) it restarts from the newest checkpoint. A resize of a
 sharded run restarts the same way, from the checkpoint the workers wrote as they
 paused: loading it reshards the state to the new world size. In an elastic run a lost
 worker that cannot be replaced in time is dropped (the group shrinks), and when
@@ -203,16 +206,23 @@ class Controller:
                 self._gave_up = decision.reason
                 raise decision.error or RaytrainerError(decision.reason)
             try:
-                if not self._replicated:
-                    raise NoSurvivors("the state is sharded: the lost workers' shards are on no survivor")
-                reformed = self._reform(lost)
-                step, how = reformed.step, {"source_rank": reformed.source, "state_from": reformed.state_from,
-                                            "replaced": reformed.replaced, "resynced": reformed.resynced,
-                                            "pids": [n.pid for n in reformed.nodes]}
+                if self._replicated:
+                    reformed = self._reform(lost)
+                    how = {"source_rank": reformed.source, "state_from": reformed.state_from,
+                           "resynced": reformed.resynced}
+                elif self.failure.snapshot_every_n_steps:
+                    reformed = self._reform(lost, peers=True)
+                    how = {"state_from": "peers", "snapshot_step": reformed.snapshot_step,
+                           "peers": {str(rank): holder for rank, holder in reformed.peers.items()}}
+                else:
+                    raise NoSurvivors("the state is sharded, so the lost workers' shards are on no survivor, "
+                                      "and failure.snapshot_every_n_steps is 0")
+                step = reformed.step
+                how.update(replaced=reformed.replaced, pids=[n.pid for n in reformed.nodes])
                 break
             except ReformFailed as exc:  # lost again while re-forming: one more failure
                 failures, lost = exc.failures, exc.dead
-            except NoSurvivors:
+            except NoSurvivors as exc:
                 self.group.shutdown()
                 resume = self.restore()
                 try:
@@ -220,7 +230,8 @@ class Controller:
                 except ReformFailed as exc:
                     failures, lost = exc.failures, exc.dead
                     continue
-                step, how = self.step, {"from_checkpoint": resume[1] if resume else None}
+                step, how = self.step, {"state_from": "checkpoint" if resume else "start",
+                                        "from_checkpoint": resume[1] if resume else None, "why": str(exc)}
                 reformed = None
                 break
         self.step = step
@@ -353,8 +364,11 @@ class Controller:
                         added=max(0, self.world - old_world), dropped=list(range(self.world, old_world)),
                         moved=[r for r in leave if r < self.world])
 
-    def _reform(self, dead: list[int], leave: list[int] = ()) -> Reformed:
-        reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
+    def _reform(self, dead: list[int], leave: list[int] = (), peers: bool = False) -> Reformed:
+        if peers:
+            reformed = self.group.reform_from_peers(dead)
+        else:
+            reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
         self.world, self._nodes = reformed.world_size, reformed.nodes
         self._paused, self._pause_asked, self._leaving = {}, None, {}
         self.group.launch()

@@ -30,9 +30,9 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from .config import Config
-from .contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Status
+from .contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Snapshot, Status
 from .errors import NoSurvivors, PeerFailure, PlacementError, RaytrainerError, WorkerError
-from .policy import choose_state, keep_waiting_for_placement
+from .policy import choose_snapshot, choose_state, keep_waiting_for_placement
 from .storage_check import check_shared_storage
 from .worker import Worker
 
@@ -76,6 +76,9 @@ class RayWorkerGroup:
         # the reference) until the group re-forms, so a second failure meanwhile, even of
         # every survivor, does not lose it.
         self._secured: tuple[Status, Any] | None = None
+        # The same for sharded state: rank -> (step, its peer snapshot's reference), for the
+        # lost ranks whose copy was taken from its holder (reform_from_peers).
+        self._copies: dict[int, tuple[int, Any]] = {}
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
         # rank -> (its new slot, the worker started there, that worker's node() ref), for
         # workers on a draining node until they leave (`replacements`, `reform(leave=)`).
@@ -143,7 +146,7 @@ class RayWorkerGroup:
         """Form the process group and build the task on every worker, loading `resume`
         (checkpoint bytes, put in the object store once for all workers, or a sharded
         checkpoint's URI). Raises ReformFailed if a worker is lost meanwhile."""
-        self._secured = None
+        self._secured, self._copies = None, {}
         state = ray.put(resume) if resume is not None else None
         results = self._form_group({rank: (None, state) for rank in range(len(self.actors))})
         total_steps, steps_per_epoch, replicated = results[0]
@@ -355,21 +358,9 @@ class RayWorkerGroup:
         scaling = self.config.scaling
         world = len(self.actors)
         leave = [r for r in leave if r not in dead]
-        for rank in dead:
-            self.kill(rank)
-            if rank in self._moves:  # its node was drained: its replacement is elsewhere
-                self._take_move(rank, wait=True)
-                continue
-            self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
-        self._start_spare()  # now, not after: a second failure finds it warm
+        self._replace(dead)
         others = [r for r in range(world) if r not in dead]
-        answers = dict(zip(others, self._ask(others, "status", timeout=10.0)))
-        silent = [r for r, s in answers.items() if s is None]
-        if silent:  # dead, or frozen: replaced at the next attempt
-            for rank in silent:
-                self.kill(rank)
-            raise ReformFailed([Failure(r, "hung", "did not answer while the group re-formed", None,
-                                        self.nodes[r].ip) for r in silent], silent)
+        answers = self._answers(others, "status")
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
         source, state_ref, at = self._take_state(holders, avoid=leave)
         moved: dict[int, Node] = {}
@@ -418,6 +409,82 @@ class RayWorkerGroup:
                         dropped=[r for r in dead + leave if r not in placed], moved=sorted(moved),
                         added=len(joiners),
                         resynced=[r for r in holders if holders[r].position != at.position])
+
+    def reform_from_peers(self, dead: list[int]) -> Reformed:
+        """Sharded state: replace the `dead` ranks (the same slots, so the same world size)
+        and form the group again from the newest peer snapshot left of every rank's state
+        (policy.choose_snapshot): survivors load their own, each replacement the copy its
+        successor holds, which the driver secures first (kept in the object store until the
+        group has formed, so a failure meanwhile does not lose it). Every worker builds its
+        training state anew in the new group (a sharded model is bound to the group it was
+        sharded over); the run replays the steps since the snapshot. Raises NoSurvivors when
+        no snapshot serves or a replacement cannot be placed (a checkpoint is the way back
+        then), and ReformFailed when a worker is lost meanwhile."""
+        world = len(self.actors)
+        self._replace(dead)
+        others = [r for r in range(world) if r not in dead]
+        held = self._answers(others, "snapshots_held")
+        secured = {rank: step for rank, (step, _) in self._copies.items()}
+        step, why = choose_snapshot(world, dead, held, secured)
+        if step is None:
+            raise NoSurvivors(f"no peer snapshot serves: {why}")
+        loads: dict[int, Any] = {}  # rank -> what its worker loads
+        peers: dict[int, int] = {}  # rank -> the holder of the copy it loads
+        fetch: dict[Any, int] = {}  # a holder's answer -> the rank whose copy it gives
+        for rank in range(world):
+            if rank in others and step in held[rank].own:
+                loads[rank] = Snapshot(step, rank)  # its own, in its memory
+            elif secured.get(rank) == step:
+                loads[rank] = self._copies[rank][1]
+            else:
+                peers[rank] = (rank + 1) % world
+                ok, loads[rank] = self.actors[peers[rank]].peer_snapshot.options(num_returns=2).remote(step)
+                fetch[ok] = rank
+        # The small answer says whether the copy is there; the copy itself stays in the
+        # object store (owned here) for the replacement to load.
+        _, failures, _ = self._wait_answering({ok: peers[rank] for ok, rank in fetch.items()}, grace_s=0.0)
+        failed = sorted({f.rank for f in failures})
+        for rank in fetch.values():
+            if peers[rank] not in failed:
+                self._copies[rank] = (step, loads[rank])
+        if failures:
+            for holder in failed:
+                self.kill(holder)
+            raise ReformFailed(failures, failed)
+        placed = self._wait_placed(dead, len(others))
+        missing = [r for r in dead if r not in placed]
+        if missing:
+            raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
+                              f"scaling.replace_timeout_s={self.config.scaling.replace_timeout_s:g}, and peer "
+                              "snapshots restore the same world size only")
+        self.nodes = [placed.get(r) or self.nodes[r] for r in range(world)]
+        self._form_group({rank: (None, loads[rank]) for rank in range(world)})
+        self._copies = {}
+        return Reformed(step=step, nodes=list(self.nodes), source=None, state_from="peers",
+                        replaced=sorted(dead), snapshot_step=step, peers=peers)
+
+    def _replace(self, dead: list[int]) -> None:
+        """Kill the `dead` ranks' workers and start their replacements: the one started for
+        a draining node's rank, else the warm spare, else a new worker in the rank's slot."""
+        for rank in dead:
+            self.kill(rank)
+            if rank in self._moves:  # its node was drained: its replacement is elsewhere
+                self._take_move(rank, wait=True)
+                continue
+            self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
+        self._start_spare()  # now, not after: a second failure finds it warm
+
+    def _answers(self, ranks: list[int], method: str) -> dict[int, Any]:
+        """A control call on each of `ranks`, which must all answer: one that does not is
+        dead or frozen, killed, and replaced at the next attempt (ReformFailed)."""
+        answers = dict(zip(ranks, self._ask(ranks, method, timeout=10.0)))
+        silent = [r for r, a in answers.items() if a is None]
+        if silent:
+            for rank in silent:
+                self.kill(rank)
+            raise ReformFailed([Failure(r, "hung", "did not answer while the group re-formed", None,
+                                        self.nodes[r].ip) for r in silent], silent)
+        return answers
 
     def _take_state(self, holders: dict[int, Status], avoid: list[int] = ()) -> tuple[int | None, Any, Status]:
         """The state to continue from: the furthest survivor's (not one of `avoid` among
@@ -578,6 +645,7 @@ class RayWorkerGroup:
         for actor in self.actors + joining + ([self._spare] if self._spare is not None else []):
             ray.kill(actor, no_restart=True)
         self._spare = self._secured = None
+        self._copies = {}
         self.actors, self._runs, self._pending, self._finished, self._joining = [], [], [], {}, []
         self._moves = {}
         for pg in self.pgs:

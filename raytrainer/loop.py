@@ -48,7 +48,9 @@ from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
 from .input import ValInput, build_train_input, dataset_size
 from .saver import CheckpointSaver
+from .contract import Snapshot
 from .schedule import build_lr_schedule
+from .snapshot import PeerSnapshots, check_memory, estimate_bytes, load, ranks_on_this_machine, restore
 from .state import TrainState
 from .stopping import EarlyStopping
 from .strategy import build_strategy
@@ -67,7 +69,8 @@ class Loop:
                  notify: Callable[[dict[str, Any]], None] | None = None,
                  chaos: list[ChaosFault] | None = None, chaos_claim: Callable[[int, int], bool] | None = None,
                  state: dict[str, Any] | str | None = None, max_world_size: int | None = None,
-                 base_world_size: int | None = None, data: DataConfig | None = None):
+                 base_world_size: int | None = None, data: DataConfig | None = None,
+                 snapshots: PeerSnapshots | None = None):
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         # scaling.num_workers: the world size global_batch_size and the LR are given for
@@ -135,18 +138,27 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(checkpoints, checkpoint_cfg or CheckpointConfig(), self._committed,
                                      replicated=self.strategy.replicated, rank=rank)
-        if (state is not None) and isinstance(state, str) == self.strategy.replicated:
-            written = "sharded (trainer.strategy: fsdp)" if isinstance(state, str) else "replicated (strategy: ddp)"
+        sharded = isinstance(state, (str, Snapshot))
+        if (state is not None) and sharded == self.strategy.replicated:
+            written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
             raise ConfigError(f"the checkpoint to resume from is {written} but this run has trainer.strategy="
                               f"{cfg.strategy}; resume it with the strategy it was written with")
         if isinstance(state, str):  # a sharded checkpoint's URI: each rank reads its own shards
             state = self.strategy.read_checkpoint(state, self.state_dict())
+        elif isinstance(state, Snapshot):  # a peer snapshot of this rank's shards
+            state = restore(self.state_dict(), load(state))
         if state is not None:
             self.load_state_dict(state)
             # A run resumed from a checkpoint decides anew whether to stop (its max_steps
             # may be larger now); a survivor's state keeps its reason (see regroup).
             self.stop_reason = None
         self.model = self.strategy.wrap(self.module, world_size, device)  # last: the state is final
+        # Peer snapshots (snapshot.py): for sharded state only, which no survivor holds whole.
+        self.snapshots = None if self.strategy.replicated else snapshots
+        if self.snapshots is not None:
+            check_memory(estimate_bytes(self.module, self.optimizer, self.ema), ranks_on_this_machine(),
+                         "failure.snapshot_every_n_steps")
+            self.snapshots.bind(rank, world_size)
         self._last_time = time.perf_counter()
         self.pause_requested = False  # set by the driver's thread: pause at a common step
         self._pause_agreed = False  # some rank asked, and every rank knows it at this step
@@ -177,6 +189,8 @@ class Loop:
             if self._pause_agreed:
                 self.paused = True
                 break
+            if self.snapshots is not None and self.snapshots.due(self.step):
+                self.snapshots.take(self.step, self.state_dict())
             if not self.plan.fits(self.position):
                 # Only after a resize under the per_worker policy: the larger global batch
                 # does not fit in what is left of the epoch, so the epoch ends here.

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .contract import Failure, Status
+from .contract import Failure, Holdings, Status
 from .errors import RaytrainerError, WorkerError
 
 __all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "blame",
-           "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
+           "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
            "leave_draining_nodes", "root_causes"]
 
 
@@ -101,6 +101,37 @@ def choose_state(holders: dict[int, Status], kept: Status | None,
     if kept is not None and (source is None or kept.position >= holders[source].position):
         return (source if source is not None and holders[source].position == kept.position else None), False
     return source, source is not None
+
+
+def choose_snapshot(world: int, lost: Iterable[int], held: dict[int, Holdings],
+                    secured: dict[int, int] | None = None) -> tuple[int | None, str]:
+    """The step a sharded group of `world` ranks goes back to after losing the ranks `lost`:
+    the newest step from which every rank's state can be had, from its own snapshot (a
+    survivor's: `held`, survivor -> its holdings), from the copy its successor in the ring
+    (rank + 1) holds, or from a copy the driver secured in an earlier attempt of this
+    recovery (`secured`: rank -> step). (None, why) when there is none: the run then
+    restarts from a checkpoint."""
+    lost, secured = set(lost), secured or {}
+    other = next((h for h in held.values() if h.world_size != world), None)
+    if other is not None:
+        return None, f"the snapshots were taken at world size {other.world_size}, not {world}"
+    options = {}
+    for rank in range(world):
+        holder = (rank + 1) % world
+        steps = {secured[rank]} if rank in secured else set()
+        if rank not in lost and rank in held:
+            steps |= set(held[rank].own)
+        if holder not in lost and holder in held:
+            steps |= set(held[holder].peer)
+        if not steps:
+            both = rank in lost and holder in lost
+            return None, (f"rank {rank} was lost together with rank {holder}, which held the copy of its "
+                          "snapshot" if both else f"no snapshot of rank {rank}'s state is left")
+        options[rank] = steps
+    common = set.intersection(*options.values())
+    if not common:
+        return None, "no step has a snapshot of every rank's state left"
+    return max(common), ""
 
 
 def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min_workers: int,

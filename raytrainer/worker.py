@@ -24,7 +24,7 @@ from typing import Any
 
 from .callbacks import Callbacks
 from .config import load_config
-from .contract import Node, RunEnd, Status
+from .contract import Holdings, Node, RunEnd, Snapshot, Status
 from .errors import PeerFailure, RaytrainerError, WorkerError
 from .task import build_task
 
@@ -40,10 +40,14 @@ class Worker:
         # 151 steps/s, and again 148 vs 215 (medians of 5, side by side), for a reason
         # not found, so it is left where torch puts it.)
         from . import loop  # noqa: F401
+        from .snapshot import PeerSnapshots
 
         self.config = load_config(config)
         self.rank: int | None = None
         self.loop = None
+        # Kept across the groups this process trains in: a survivor goes back to its own
+        # snapshot after the group it was taken in is gone (snapshot.py; sharded state).
+        self.snapshots = PeerSnapshots(self.config.failure.snapshot_every_n_steps)
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
         self._rows: list[dict[str, Any]] = []
@@ -72,16 +76,23 @@ class Worker:
         return self.node().ip, free_port()
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | str | None = None) -> tuple[int | None, int, bool]:
+              resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]:
         """Join the group, build the task, and load `resume` if given: a torch.save'd state
-        (a state.pt checkpoint, or a survivor's state), or the URI of a sharded checkpoint's
-        directory. Returns (total steps, steps per epoch, whether the state is replicated)."""
+        (a state.pt checkpoint, or a survivor's state), the URI of a sharded checkpoint's
+        directory, or a peer snapshot (without data: this worker's own). A worker that
+        trained in an earlier group starts over in this one. Returns (total steps, steps
+        per epoch, whether the state is replicated)."""
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop
 
         self.rank = rank
         cfg = self.config
+        if self.loop is not None:  # its process group is gone; its loader processes go too
+            self.loop.close_inputs()
+            self.loop = None
         with _as_worker_error(self):
+            if isinstance(resume, Snapshot) and resume.data is None:
+                resume = self.snapshots.own_snapshot(resume.step)
             if not use_gpu:  # as Ray sets OMP_NUM_THREADS: a spare taking over was made with none
                 import torch
 
@@ -96,7 +107,8 @@ class Worker:
                              checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
                              chaos_claim=self._chaos_claim, max_world_size=cfg.scaling.max_workers,
                              base_world_size=cfg.scaling.num_workers, data=cfg.data,
-                             state=_load(resume) if isinstance(resume, bytes) else resume)
+                             state=_load(resume) if isinstance(resume, bytes) else resume,
+                             snapshots=self.snapshots)
             return self.loop.total_steps, self.loop.plan.steps_per_epoch, self.loop.strategy.replicated
 
     def run(self) -> RunEnd:
@@ -121,6 +133,7 @@ class Worker:
                           cause=f"{type(exc).__name__}: {exc}")
         finally:
             self._run_thread = None
+            self.snapshots.close()  # kept as they are until the next group
         leave_group()
         if self.loop.paused:
             return RunEnd("paused", self.loop.step, time=time.time())
@@ -184,6 +197,17 @@ class Worker:
     def get_state(self) -> bytes:
         """This worker's training state, for workers that lost or lack theirs."""
         return _dump(self.loop.state_dict())
+
+    def snapshots_held(self) -> Holdings:
+        """The peer snapshots this worker holds (sharded state), for a recovery."""
+        return self.snapshots.holdings()
+
+    def peer_snapshot(self, step: int) -> tuple[int, Snapshot]:
+        """Its copy of rank - 1's snapshot of `step`, for that rank's replacement, after the
+        step alone (two return values: the driver checks the small one and leaves the copy
+        in the object store)."""
+        copy = self.snapshots.peer_snapshot(step)
+        return copy.step, copy
 
     def regroup(self, rank: int, world_size: int, addr: str, port: int,
                 state: bytes | None = None) -> int:

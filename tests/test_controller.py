@@ -298,26 +298,59 @@ def test_a_worker_lost_while_the_group_first_forms_is_recovered_from(tmp_path):
 
 
 class ShardedGroup(FailingGroup):
-    """Workers whose strategy shards the state (FSDP): setup says so."""
+    """Workers whose strategy shards the state (FSDP): setup says so; re-forms from peer
+    snapshots go as scripted in `reforms`."""
 
     def setup(self, resume=None):
         self.calls.append(("setup", resume))
         return Formed(NODES, total_steps=3, replicated=False)
 
+    def reform_from_peers(self, dead):
+        self.calls.append(("reform_from_peers", tuple(dead)))
+        item = self.reforms.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
-def test_sharded_state_recovers_from_the_newest_checkpoint_not_from_survivors(tmp_path):
-    checkpoint = (2, "step-00000002", "/runs/r/checkpoints/step-00000002")
+
+def test_sharded_state_recovers_from_peer_snapshots_and_replays_the_steps_since(tmp_path):
+    from_peers = Reformed(step=2, nodes=NODES, source=None, state_from="peers", replaced=[1],
+                          snapshot_step=2, peers={1: 0})
     group = ShardedGroup([Poll(rows(1, 2, 3)), Poll(failures=[died(1, step=3)]), Poll(failures=[interrupted(0)]),
-                          Poll(rows(3), done=True, result=WEIGHTS)], [])
-    controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: checkpoint)
+                          Poll(rows(3), done=True, result=WEIGHTS)], [from_peers])
+    controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: pytest.fail("read storage"))
     assert controller.run() == WEIGHTS
     events.close()
-    # No re-form from the survivor: the whole group restarts, every worker reading its shards.
-    assert not [c for c in group.calls if c[0] == "reform"]
-    assert [c for c in group.calls if c[0] in ("setup", "shutdown")] == [
-        ("setup", None), ("shutdown",), ("setup", checkpoint[2]), ("shutdown",)]
+    assert [c for c in group.calls if c[0] in ("setup", "shutdown", "reform", "reform_from_peers")] == [
+        ("setup", None), ("reform_from_peers", (1,)), ("shutdown",)]
     recovered = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered")
-    assert recovered["from_checkpoint"] == "step-00000002" and recovered["steps_lost"] == 1
+    assert recovered["state_from"] == "peers" and recovered["snapshot_step"] == 2
+    assert recovered["peers"] == {"1": 0} and recovered["steps_lost"] == 1 and recovered["replaced"] == [1]
+
+
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_sharded_state_with_no_peer_snapshot_to_go_back_to_restarts_from_the_newest_checkpoint(tmp_path, snapshots):
+    from raytrainer.errors import NoSurvivors
+
+    checkpoint = (2, "step-00000002", "/runs/r/checkpoints/step-00000002")
+    group = ShardedGroup([Poll(rows(1, 2, 3)), Poll(failures=[died(0, step=3), died(1, step=3)]),
+                          Poll(rows(3), done=True, result=WEIGHTS)],
+                         [NoSurvivors("no peer snapshot serves: rank 0 was lost together with rank 1")])
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, 2, hub, events, poll_interval_s=0, restore=lambda: checkpoint,
+                            failure=FailureConfig(max_failures=1, step_timeout_s=None,
+                                                  snapshot_every_n_steps=10 if snapshots else 0))
+    assert controller.run() == WEIGHTS
+    events.close()
+    # The whole group restarts, every worker reading its shards.
+    assert [c for c in group.calls if c[0] in ("setup", "shutdown", "reform", "reform_from_peers")] == [
+        ("setup", None)] + ([("reform_from_peers", (0, 1))] if snapshots else []) + [
+        ("shutdown",), ("setup", checkpoint[2]), ("shutdown",)]
+    recovered = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered")
+    assert recovered["state_from"] == "checkpoint" and recovered["from_checkpoint"] == "step-00000002"
+    assert recovered["steps_lost"] == 1
+    assert ("rank 0 was lost together with rank 1" if snapshots else "snapshot_every_n_steps is 0") in recovered["why"]
 
 
 def test_a_sharded_run_resizes_through_the_checkpoint_its_workers_wrote_as_they_paused(tmp_path):

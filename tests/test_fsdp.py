@@ -1,8 +1,11 @@
 """trainer.strategy=fsdp (FSDP2) through the whole stack on Gloo/CPU: the same maths as
-DDP, sharded checkpoints that resume at another world size, and recovery from the
-newest checkpoint when a worker is killed."""
+DDP, sharded checkpoints that resume at another world size, recovery from peer snapshots
+when a worker is killed from outside, and from the newest checkpoint when a worker and the
+peer holding its snapshot are both lost (or snapshots are off)."""
 
 import json
+import random
+import time
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 import raytrainer
 
 from .conftest import assert_no_leaks
+from .faults import Run, kill
 
 STEPS = 8
 
@@ -86,12 +90,14 @@ def test_a_checkpoint_from_two_workers_resumes_on_another_world_size(fsdp2, tmp_
     assert_no_leaks()
 
 
-def test_a_killed_fsdp_worker_recovers_from_the_newest_checkpoint(fsdp2, tmp_path):
-    """The lost rank's shards exist on no survivor: the group restarts from the checkpoint
-    of step 3 (written with DCP's async save, committed from its thread) and redoes
-    steps 4-5; the run ends as the undisturbed one did."""
+def test_without_snapshots_a_killed_fsdp_worker_recovers_from_the_newest_checkpoint(fsdp2, tmp_path):
+    """With failure.snapshot_every_n_steps=0 the lost rank's shards exist nowhere else: the
+    group restarts from the checkpoint of step 3 (written with DCP's async save, committed
+    from its thread) and redoes steps 4-5; the run ends as the undisturbed one did."""
     chaos = [{"action": "kill", "step": 5, "rank": 1, "at": "random"}]
-    result = raytrainer.train(config(tmp_path, "killed", chaos=chaos, async_save=True), progress=False)
+    cfg = config(tmp_path, "killed", chaos=chaos, async_save=True)
+    cfg["failure"]["snapshot_every_n_steps"] = 0
+    result = raytrainer.train(cfg, progress=False)
     manifests = [json.loads((p / "COMMITTED").read_text()) for p in (result.run_dir / "checkpoints").iterdir()]
     assert sorted(m["step"] for m in manifests) == [3, 6, 8] and {m["format"] for m in manifests} == {"dcp"}
     recovered = [e for e in result.events if e["event"] == "recovered"]
@@ -99,4 +105,71 @@ def test_a_killed_fsdp_worker_recovers_from_the_newest_checkpoint(fsdp2, tmp_pat
     assert recovered[0]["step"] == 3 and recovered[0]["steps_lost"] in (1, 2)
     assert_close(weights(result), weights(fsdp2), atol=0)  # the same world size: the same sums
     assert sorted(losses(result)) == list(range(1, STEPS + 1))
+    assert_no_leaks()
+
+
+# ---------------------------------------------------------------------- peer snapshots
+
+PEER_STEPS = 16
+
+
+def peer_config(tmp_path, name):
+    """3 workers, a snapshot every 4 steps, a checkpoint every 5; slow enough steps for a
+    kill from outside to land in the middle of the run."""
+    cfg = config(tmp_path, name, workers=3, max_steps=PEER_STEPS)
+    cfg["task"]["args"] = {"sleep_s": 0.03}
+    cfg["checkpoint"]["every_n_steps"] = 5
+    cfg["failure"].update(snapshot_every_n_steps=4, collective_timeout_s=60)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def fsdp3(ray_local, tmp_path_factory):
+    return weights(raytrainer.train(peer_config(tmp_path_factory.mktemp("fsdp3"), "fsdp3"), progress=False))
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def of(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def test_a_worker_killed_from_outside_is_recovered_from_its_peers_snapshot(fsdp3, tmp_path):
+    """SIGKILL at a random moment after step 6: the survivors go back to their own snapshot
+    of step 4 or 8, the replacement of rank 1 takes the copy rank 2 holds, nothing is read
+    from storage, and the replayed run ends bit-identical to the undisturbed one."""
+    run = Run(peer_config(tmp_path, "peers"))
+    run.wait_for_step(6)
+    time.sleep(random.uniform(0, 0.1))
+    kill(run.pids()[1])
+    result = run.result()
+    recovered = of(result.events, "recovered")
+    assert len(recovered) == 1, recovered
+    back = recovered[0]
+    assert back["state_from"] == "peers" and back["peers"] == {"1": 2} and back["replaced"] == [1]
+    assert back["snapshot_step"] in (4, 8, 12) and back["step"] == back["snapshot_step"]
+    assert back["steps_lost"] <= 4  # replayed: at most snapshot_every_n_steps
+    assert not of(result.events, "resumed")  # no checkpoint was read
+    assert_same(weights(result), fsdp3)
+    assert sorted(losses(result)) == list(range(1, PEER_STEPS + 1))
+    assert_no_leaks()
+
+
+def test_two_neighbours_killed_together_fall_back_to_the_newest_checkpoint(fsdp3, tmp_path):
+    """Ranks 1 and 2 at once: rank 2 held the copy of rank 1's snapshot, so no snapshot of
+    rank 1's state is left; the run restarts from the newest checkpoint and still ends
+    bit-identical."""
+    run = Run(peer_config(tmp_path, "neighbours"))
+    run.wait_for_step(6)
+    pids = run.pids()
+    kill(pids[1])
+    kill(pids[2])
+    result = run.result()
+    recovered = of(result.events, "recovered")
+    assert recovered[-1]["state_from"] == "checkpoint" and recovered[-1]["from_checkpoint"].startswith("step-")
+    assert "rank 1" in recovered[-1]["why"]
+    assert of(result.events, "resumed")
+    assert_same(weights(result), fsdp3)
     assert_no_leaks()

@@ -1,0 +1,275 @@
+"""Peer snapshots: sharded training state kept in host RAM, on its rank and on a peer.
+
+With sharded state (FSDP) a lost rank's shards exist on no survivor. Every
+failure.snapshot_every_n_steps optimizer steps (and at the first step boundary of every
+group formed) each rank copies its state to host memory, on the training thread (the
+state must be that of one step), and hands it to a background thread that serialises it
+and exchanges it around a ring on a Gloo group of its own: rank r sends its snapshot to
+r + 1 and keeps r - 1's. When ranks are lost, the survivors load their own snapshot of a
+step, each replacement the copy its successor holds, and the run replays the steps since
+(the data position and the random streams are functions of the step): nothing is read
+from storage and the weights end as an undisturbed run's. A rank lost together with the
+peer holding its copy leaves a checkpoint as the only way back.
+
+Each rank keeps its own snapshot and its predecessor's of the newest step, and those of
+the step before until the newer exchange has completed both ways on this rank: a failure
+in the middle of an exchange still finds one step that every survivor and every lost
+rank's holder has (policy.choose_snapshot). Host memory: twice the rank's state between
+snapshots, up to four times during an exchange (see `needed_bytes`).
+
+Plain torch; no Ray. The exchange is one collective per snapshot on its own group, in
+the same order on every rank: every rank snapshots at the same steps.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import to_cpu
+from .contract import Holdings, Snapshot
+from .errors import ConfigError
+
+
+class PeerSnapshots:
+    """A worker's snapshots. It outlives the loop and the process group they were taken in,
+    so that a survivor can go back after the group it trained in is gone; from the end of
+    a run (`close`) to the next group (`bind`) nothing changes them."""
+
+    def __init__(self, every_n_steps: int):
+        self.every = every_n_steps
+        self.rank, self.world = 0, 1
+        self.own: dict[int, bytes] = {}  # step -> this rank's state
+        self.peer: dict[int, torch.Tensor] = {}  # step -> rank - 1's (bytes, as a uint8 tensor)
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._taken: int | None = None  # the step last snapshotted in the current group
+        self._gen = 0  # which group's thread may still change what is kept
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ in a group
+
+    def bind(self, rank: int, world_size: int) -> None:
+        """Snapshot in a newly formed group (collective: makes the ring's Gloo group). The
+        first snapshot comes at the first step boundary; what earlier groups left stays
+        until it is exchanged."""
+        with self._lock:
+            self._gen += 1
+        self.rank, self.world = rank, world_size
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
+        self._thread, self._error, self._taken = None, None, None
+
+    def due(self, step: int) -> bool:
+        """At the first step boundary in a group (but step 0: a fresh optimizer has no state
+        to copy, and nothing is lost going back to the start), then every `every` steps."""
+        if self.every <= 0 or step == self._taken or step == 0:
+            return False
+        return self._taken is None or step % self.every == 0
+
+    def take(self, step: int, state: dict[str, Any]) -> None:
+        """Snapshot `state` (the state after `step`): copied to host memory now, serialised
+        and exchanged in the background. Waits for the previous exchange first (it has had
+        `every` steps to finish) and raises its error, if any."""
+        self.wait()
+        fresh, self._taken = self._taken is None, step
+        self._thread = threading.Thread(target=self._exchange, args=(self._gen, step, to_cpu(state), fresh),
+                                        daemon=True, name=f"raytrainer-snapshot-{step}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _exchange(self, gen: int, step: int, host: dict[str, Any], fresh: bool) -> None:
+        try:
+            buffer = io.BytesIO()
+            torch.save(host, buffer)
+            del host  # at most two copies at a time while serialising
+            data = buffer.getvalue()
+            del buffer
+            with self._lock:
+                if gen != self._gen:
+                    return
+                if fresh:  # snapshots beyond this step came before a recovery to an earlier one
+                    self.own = {s: d for s, d in self.own.items() if s < step}
+                    self.peer = {s: d for s, d in self.peer.items() if s <= step}
+                self.own[step] = data
+            received = _ring_exchange(data, self.rank, self.world, self._group) if self._group else None
+            with self._lock:
+                if gen != self._gen:
+                    return
+                if received is not None:
+                    self.peer[step] = received
+                # Both ways done on this rank: the older steps are no longer needed here.
+                self.own = {s: d for s, d in self.own.items() if s >= step}
+                self.peer = {s: d for s, d in self.peer.items() if s >= step}
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next take
+            if gen == self._gen:
+                self._error = exc
+
+    def close(self) -> None:
+        """The run in this group is over (finished, or interrupted by a failure): an
+        exchange under way no longer changes what is kept (its thread is a daemon; it ends
+        with the group)."""
+        with self._lock:
+            self._gen += 1
+        self._thread, self._group = None, None
+
+    # ------------------------------------------------------------------ after a failure
+
+    def holdings(self) -> Holdings:
+        with self._lock:
+            return Holdings(self.rank, self.world, tuple(sorted(self.own)), tuple(sorted(self.peer)))
+
+    def own_snapshot(self, step: int) -> Snapshot:
+        with self._lock:
+            data = self.own.get(step)
+        if data is None:
+            raise KeyError(f"rank {self.rank} holds no snapshot of step {step}")
+        return Snapshot(step, self.rank, data)
+
+    def peer_snapshot(self, step: int) -> Snapshot:
+        """The copy of rank - 1's snapshot of `step`, for that rank's replacement."""
+        with self._lock:
+            data = self.peer.get(step)
+        if data is None:
+            raise KeyError(f"rank {self.rank} holds no copy of rank {(self.rank - 1) % self.world}'s snapshot "
+                           f"of step {step}")
+        return Snapshot(step, (self.rank - 1) % self.world, data.numpy().tobytes())
+
+
+def load(snapshot: Snapshot) -> dict[str, Any]:
+    return torch.load(io.BytesIO(snapshot.data), weights_only=True)
+
+
+def restore(template: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """`template` (this rank's state dict now, for its structure, devices and shards) with
+    the values of `saved` (a snapshot of the same rank at the same world size): tensors are
+    filled in place (a DTensor's local shard), other values replaced. Follow with
+    load_state_dict, as after a sharded checkpoint's load."""
+    if isinstance(template, dict) and isinstance(saved, dict):
+        if template.keys() != saved.keys():
+            raise ValueError(f"the snapshot's keys {sorted(saved, key=str)} differ from the state's "
+                             f"{sorted(template, key=str)}")
+        return {k: restore(template[k], saved[k]) for k in template}
+    if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
+        return type(template)(restore(t, s) for t, s in zip(template, saved))
+    if isinstance(template, torch.Tensor) and isinstance(saved, torch.Tensor):
+        local = template.to_local() if hasattr(template, "to_local") else template
+        if local.shape != saved.shape:
+            raise ValueError(f"a snapshot tensor of shape {tuple(saved.shape)} does not fit this rank's "
+                             f"{tuple(local.shape)}")
+        with torch.no_grad():
+            local.copy_(saved)
+        return template
+    return saved
+
+
+def estimate_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: Any = None) -> int:
+    """Bytes of a snapshot of this rank's state, before training: its parameters and
+    buffers (shards), the optimizer's state (before its first step, taken as two values
+    per parameter, as Adam keeps), and the EMA's."""
+    params = state_bytes(list(module.parameters()))
+    optim = state_bytes(dict(optimizer.state)) or 2 * params
+    return (params + state_bytes(list(module.buffers())) + optim
+            + (state_bytes(ema.state_dict()) if ema is not None else 0))
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors `state` holds on this rank (a DTensor's local shard)."""
+    total = 0
+
+    def visit(v: Any) -> None:
+        nonlocal total
+        if isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+
+    visit(state)
+    return total
+
+
+# Copies of a rank's state in its host memory at most: its own and its peer's, of two steps
+# while one is exchanged (and the serialised form of one while it is made).
+COPIES = 4
+
+
+def check_memory(state_bytes_per_rank: int, ranks_here: int, setting: str,
+                 available: int | None = None) -> None:
+    """Fail now (a ConfigError naming `setting`) when the snapshots of the `ranks_here`
+    ranks on this machine cannot fit in its available memory; warn above half of it."""
+    available = available if available is not None else available_memory()
+    if available is None:
+        return
+    need = COPIES * state_bytes_per_rank * ranks_here
+    text = (f"peer snapshots need up to {need / 2**30:.2f} GiB of host memory here ({COPIES} copies of "
+            f"{state_bytes_per_rank / 2**20:.1f} MiB of sharded state per rank, {ranks_here} rank(s) on "
+            f"this machine), and {available / 2**30:.2f} GiB is available")
+    if need > available:
+        raise ConfigError(f"{text}. Set {setting}=0 to recover from checkpoints only, or shard over "
+                          "more workers")
+    if need > available / 2:
+        warnings.warn(f"{text}: over half of it. {setting}=0 turns peer snapshots off", stacklevel=2)
+
+
+def available_memory() -> int | None:
+    """MemAvailable of this machine (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def ranks_on_this_machine(group=None) -> int:
+    """How many ranks of the default group share this machine (collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 1
+    names: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, os.uname().nodename, group=group)
+    return names.count(os.uname().nodename)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _ring_exchange(data: bytes, rank: int, world: int, group) -> torch.Tensor:
+    """Send `data` to rank + 1 and return what rank - 1 sent (sizes first, then bytes)."""
+    to, frm = (rank + 1) % world, (rank - 1) % world
+    size_out = torch.tensor([len(data)], dtype=torch.int64)
+    size_in = torch.empty(1, dtype=torch.int64)
+    _pair(size_out, size_in, to, frm, group)
+    with warnings.catch_warnings():  # read only: torch warns that the buffer is not writable
+        warnings.simplefilter("ignore")
+        out = torch.frombuffer(data, dtype=torch.uint8)
+    got = torch.empty(int(size_in), dtype=torch.uint8)
+    _pair(out, got, to, frm, group)
+    return got
+
+
+def _pair(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group) -> None:
+    works = [dist.isend(send, dist.get_global_rank(group, to), group=group),
+             dist.irecv(recv, dist.get_global_rank(group, frm), group=group)]
+    for work in works:
+        work.wait()
+

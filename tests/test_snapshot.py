@@ -1,0 +1,104 @@
+"""Peer snapshots of sharded state (snapshot.py): which step a recovery can go back to
+(policy.choose_snapshot), the ring exchange, and a rollback that replays to the weights of
+an undisturbed run, on three local Gloo processes (no Ray; the same through Ray and
+outside kills is test_fsdp's)."""
+
+import pytest
+import torch
+
+from raytrainer.config import FailureConfig, TrainerConfig
+from raytrainer.contract import Holdings
+from raytrainer.errors import ConfigError
+from raytrainer.loop import Loop
+from raytrainer.policy import choose_snapshot
+from raytrainer.snapshot import PeerSnapshots, check_memory
+
+from .dist_procs import run_ranks
+from .tasks import RegressionTask
+
+
+def held(world, own, peer):
+    return {r: Holdings(r, world, tuple(own[r]), tuple(peer[r])) for r in own}
+
+
+def test_a_lost_rank_goes_back_to_the_newest_step_its_successor_holds_a_copy_of():
+    # Rank 2 had taken its snapshot of step 8 but not yet received rank 1's: step 4 serves.
+    survivors = held(3, own={0: [4, 8], 2: [4, 8]}, peer={0: [4, 8], 2: [4]})
+    assert choose_snapshot(3, [1], survivors) == (4, "")
+    survivors = held(3, own={0: [8], 2: [8]}, peer={0: [8], 2: [8]})
+    assert choose_snapshot(3, [1], survivors) == (8, "")
+
+
+def test_a_rank_lost_with_the_peer_holding_its_copy_leaves_no_snapshot():
+    step, why = choose_snapshot(3, [1, 2], held(3, own={0: [8]}, peer={0: [8]}))
+    assert step is None and "rank 1 was lost together with rank 2" in why
+    # Ranks 2 and 0 are neighbours in the ring too (0 holds 2's copy).
+    step, why = choose_snapshot(3, [0, 2], held(3, own={1: [8]}, peer={1: [8]}))
+    assert step is None and "rank 2 was lost together with rank 0" in why
+
+
+def test_a_copy_secured_in_an_earlier_attempt_serves_and_the_world_size_must_match():
+    # Attempt 1 secured rank 1's copy of step 8; rank 1's replacement (fresh, no snapshots
+    # of its own) survives, and rank 2 is lost now: 0 survives, 2's copy is on 0.
+    survivors = held(3, own={0: [8], 1: []}, peer={0: [8], 1: []})
+    assert choose_snapshot(3, [2], survivors, secured={1: 8}) == (8, "")
+    assert choose_snapshot(3, [2], survivors)[0] is None
+    step, why = choose_snapshot(3, [1], {0: Holdings(0, 2, (8,), (8,)), 2: Holdings(2, 2, (8,), ())})
+    assert step is None and "world size 2" in why
+
+
+def test_snapshots_that_would_not_fit_in_memory_are_a_config_error_naming_the_setting():
+    with pytest.raises(ConfigError, match=r"failure.snapshot_every_n_steps=0"):
+        check_memory(2**30, 2, "failure.snapshot_every_n_steps", available=4 * 2**30)
+    with pytest.warns(UserWarning, match="over half"):
+        check_memory(2**28, 2, "failure.snapshot_every_n_steps", available=3 * 2**30)
+    check_memory(2**20, 2, "failure.snapshot_every_n_steps", available=3 * 2**30)
+    with pytest.raises(ConfigError, match="snapshot_every_n_steps=-1 must be >= 0"):
+        FailureConfig(snapshot_every_n_steps=-1)
+
+
+CFG = {"global_batch_size": 24, "micro_batch_size": 4, "grad_clip_norm": 0.5, "ema_decay": 0.9,
+       "val_every_n_steps": 3, "strategy": "fsdp"}
+
+
+def _loop(rank, world, steps, snapshots=None, state=None):
+    cfg = TrainerConfig(max_steps=steps, **CFG)
+    return Loop(RegressionTask(dropout=0.1), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
+                report=lambda rows: None, snapshots=snapshots, state=state)
+
+
+def _straight(rank, world, steps):
+    return _loop(rank, world, steps).fit()
+
+
+def _roll_back(rank, world, stop_at, steps):
+    """Train to `stop_at` with snapshots every 2 steps, then, as a recovery does, build the
+    state anew: rank 1 (the "replacement") from the copy rank 2 holds, the others from their
+    own, and train on to `steps`."""
+    import torch.distributed as dist
+
+    snapshots = PeerSnapshots(every_n_steps=2)
+    _loop(rank, world, stop_at, snapshots).fit()
+    snapshots.wait()
+    holdings = snapshots.holdings()
+    copies = [None] * world
+    dist.all_gather_object(copies, snapshots.peer_snapshot(holdings.peer[-1]))
+    back = max(holdings.own)
+    state = copies[2] if rank == 1 else snapshots.own_snapshot(back)
+    snapshots.close()
+    loop = _loop(rank, world, steps, PeerSnapshots(every_n_steps=2), state=state)
+    return holdings, copies[2].rank, loop.step, loop.fit()
+
+
+def test_going_back_to_peer_snapshots_replays_to_an_undisturbed_runs_weights():
+    """FSDP on 3 ranks, with dropout, accumulation, clipping and EMA. Snapshots come at the
+    first step boundary and every 2 steps; each rank keeps its own and rank - 1's of the
+    newest step. Going back from step 5 to step 4 (rank 1 from the copy on rank 2) and
+    replaying ends bit-identical to training straight through."""
+    ranks = run_ranks(_roll_back, 3, 5, 7)
+    for rank, (holdings, copy_of, start, _) in enumerate(ranks):
+        assert (holdings.rank, holdings.world_size, holdings.own, holdings.peer) == (rank, 3, (4,), (4,))
+        assert copy_of == 1 and start == 4
+    straight = run_ranks(_straight, 3, 7)[0]
+    rolled = ranks[0][3]
+    assert rolled.keys() == straight.keys() and all(torch.equal(rolled[k], straight[k]) for k in straight)
