@@ -172,13 +172,15 @@ def test_bad_settings_are_clear_errors(capsys):
     assert "--steps must be >= 2" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--strategy='zero': choose from ddp, fsdp"):
         bench.BenchSpec(strategy="zero")
-    with pytest.raises(ConfigError, match="--strategy fsdp measures the train scenario only"):
+    with pytest.raises(ConfigError, match="--strategy fsdp measures the train and peers scenarios only"):
         bench.BenchSpec(strategy="fsdp")
-    # On the command line, --strategy fsdp alone measures the train scenario.
+    with pytest.raises(ConfigError, match="peers measures peer snapshots of sharded state: pass --strategy fsdp"):
+        bench.BenchSpec(scenarios="peers")
+    # On the command line, --strategy fsdp alone measures the train and peers scenarios.
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     spec = bench.spec_from_args(parser.parse_args(["--strategy", "fsdp", "--smoke"]))
-    assert (spec.strategy, spec.scenarios, spec.labels) == ("fsdp", "train", {"raw": "raw FSDP2",
+    assert (spec.strategy, spec.scenarios, spec.labels) == ("fsdp", "train,peers", {"raw": "raw FSDP2",
                                                                               "raytrainer": "raytrainer"})
     # raytrainer's config names the strategy only when it is not DDP.
     trainer = {s: rt.config(asdict(bench.BenchSpec(**{**bench.SMOKE, "strategy": s, "scenarios": "train"})),
@@ -216,18 +218,23 @@ def test_raw_fsdp2_trains_the_same_job_as_raw_ddp(tmp_path):
     assert fsdp["last_loss"] == pytest.approx(ddp["last_loss"], rel=1e-4)
 
 
-def test_fsdp_bench_against_raw_fsdp2(tmp_path, tagged):
-    """`raytrainer bench --strategy fsdp`: raw FSDP2 against raytrainer's FSDP2, train only."""
-    from raytrainer.config import TrainerConfig
-
-    if "strategy" not in {f.name for f in fields(TrainerConfig)}:
-        pytest.skip("this raytrainer has no trainer.strategy yet")
-    spec = bench.BenchSpec(**{**bench.SMOKE, "strategy": "fsdp", "scenarios": "train"})
+def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagged):
+    """`raytrainer bench --strategy fsdp`: raw FSDP2 against raytrainer's FSDP2, and a kill
+    recovered from peer snapshots against one recovered from a checkpoint."""
+    spec = bench.BenchSpec(**{**bench.SMOKE, "strategy": "fsdp", "scenarios": "train,peers"})
     report = bench.run_bench(spec, keep_in=tmp_path / "work")
     assert_nothing_left(tagged)
-    runs = {r["contender"]: r for r in report["runs"]}
+    runs = {r["contender"]: r for r in report["runs"] if r["scenario"] == "train"}
     assert sorted(runs) == ["raw", "raytrainer"] and report["contenders"]["raw"] == "raw FSDP2"
     assert all(len(r["step_times"]) == spec.steps for r in runs.values())
+    (peers,) = [r for r in report["runs"] if r["scenario"] == "peers"]
+    assert peers["peers_run"]["recovered_event"]["state_from"] == "peers"
+    assert peers["checkpoint_run"]["recovered_event"]["from_checkpoint"].startswith("step-")
+    # The kill as step 15 starts (or just after it ends): back to the snapshot of step 10
+    # (every 10, the default), and to the checkpoint of step 10 (every 10).
+    assert {peers["peers_steps_replayed"], peers["checkpoint_steps_lost"]} <= {spec.kill_step - 11, spec.kill_step - 10}
+    figures = {f["key"]: f for f in report["figures"]}
+    assert all(figures[k]["status"] == "measured" for k in ("peers_kill_to_first_step_s", "snapshot_overhead"))
     # Not compared with raw's loss: raytrainer seeds its model's init its own way (its DDP
     # run's loss differs from raw DDP's too; its fsdp run's equals its DDP run's, checked once).
     steps = {f["key"]: f for f in report["figures"]}["steps_per_s"]

@@ -7,7 +7,7 @@ import sys
 
 from .report import format_table, recovery_lines
 from .run import run_bench
-from .spec import SMOKE, BenchSpec
+from .spec import FSDP_SCENARIOS, SMOKE, BenchSpec
 
 
 OPTIONS: dict[str, str | None] = {
@@ -33,12 +33,13 @@ OPTIONS: dict[str, str | None] = {
     "faults_step_timeout_s": "failure.step_timeout_s of the faults runs (how long a freeze goes unnoticed)",
     "scenarios": "comma-separated subset of train (start-up, steps/s), kill (worker SIGKILL), stall "
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
-                 "(five faults in one run)",
+                 "(five faults in one run), peers (--strategy fsdp: recovery from peer snapshots and from a "
+                 "checkpoint, the snapshots' cost)",
     "timeout_s": "per contender run",
     "parallel": "contender runs at a time (above 1 their figures mean nothing: for checking that the "
                 "bench works; the kill and faults runs run one at a time)",
-    "strategy": "ddp, or fsdp: raw FSDP2 against raytrainer with trainer.strategy: fsdp (the train "
-                "scenario only; --scenarios defaults to train then)",
+    "strategy": "ddp, or fsdp: raw FSDP2 against raytrainer with trainer.strategy: fsdp (the train and "
+                "peers scenarios, the default --scenarios then)",
 }
 """The BenchSpec fields the command line sets (--kebab-case of the name), with their help."""
 
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     values = {key: getattr(args, key) for key in OPTIONS}
     if values["strategy"] != "ddp" and values["scenarios"] == BenchSpec().scenarios:
-        values["scenarios"] = "train"  # what a strategy other than DDP measures
+        values["scenarios"] = ",".join(FSDP_SCENARIOS)  # what a strategy other than DDP measures
     if args.smoke:
         default = BenchSpec()
         values.update({k: v for k, v in SMOKE.items() if values[k] == getattr(default, k)})

@@ -111,6 +111,19 @@ FIGURES = (
     Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
            ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s"), scenario="stall"),
     *(fig for i, (kind, ranks) in enumerate(FAULTS) for fig in _fault_figures(i, kind, ranks)),
+    Figure("peers_kill_to_first_step_s", "fsdp: worker SIGKILL to first step after, from peer snapshots", "s",
+           "lower", ("raytrainer",), lambda run: run.get("peers_kill_to_first_step_s"), target="<= 5 s",
+           target_check=lambda m, r: m["raytrainer"] <= 5, scenario="peers"),
+    Figure("peers_steps_replayed", "fsdp: steps replayed after it", "steps", "lower", ("raytrainer",),
+           lambda run: run.get("peers_steps_replayed"), target="<= snapshot_every_n_steps",
+           met_in_run=lambda run: run["peers_steps_replayed"] <= run["snapshot_every_n_steps"], scenario="peers"),
+    Figure("checkpoint_kill_to_first_step_s", "fsdp: the same, from the newest checkpoint (snapshots off)", "s",
+           "lower", ("raytrainer",), lambda run: run.get("checkpoint_kill_to_first_step_s"), scenario="peers"),
+    Figure("checkpoint_steps_lost", "fsdp: steps lost to it from the checkpoint", "steps", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_steps_lost"), scenario="peers"),
+    Figure("snapshot_overhead", "fsdp: steps/s lost to peer snapshots at the default interval", "%", "lower",
+           ("raytrainer",), lambda run: 100 * run["snapshot_overhead"] if "snapshot_overhead" in run else None,
+           target="<= 3%", target_check=lambda m, r: m["raytrainer"] <= 3, scenario="peers"),
     Figure("faults_bit_identical", "final weights of the faulted run against an undisturbed one",
            "bit-identical", "higher", ("raytrainer",),
            lambda run: float(run["bit_identical"]) if "bit_identical" in run else None,
@@ -170,6 +183,15 @@ def notes(spec: BenchSpec) -> list[str]:
             "last checkpoint; raytrainer with its default warm spare). Time: from the kill to the end of "
             "rank 0's first step after the restart; steps lost: the furthest step rank 0 finished before "
             "the failure minus the step training resumed from. Raw DDP has no recovery.")
+    if "peers" in spec.scenario_list:
+        out.append(
+            f"Peers runs (fsdp, one local Ray): the kill run as above ({spec.kill_steps} steps, the last rank "
+            f"SIGKILLed from outside as it starts step {spec.kill_step}, a checkpoint every "
+            f"{spec.kill_checkpoint_every} steps, the warm spare), once with peer snapshots at the default "
+            "failure.snapshot_every_n_steps and once with them off (recovery from the newest checkpoint); then "
+            f"the train run ({spec.steps} steps) with snapshots and without, one after the other: the overhead is "
+            "1 - the first's steps/s over the second's. Steps replayed: the snapshot step to the furthest step "
+            "finished before the kill.")
     if "input" in spec.scenario_list:
         out.append(
             f"Input runs: {spec.input_steps} steps on a dataset whose every sample costs {spec.input_io_ms:g} ms "

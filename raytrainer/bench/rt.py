@@ -45,10 +45,12 @@ def outcome(result) -> dict[str, Any]:
             "run_dir": str(result.run_dir)}
 
 
-def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None,
+                   failure: dict[str, Any] | None = None) -> dict[str, Any]:
     from ..api import train
 
-    return outcome(train(config(spec, work, "bench", spec["steps"], data=data or {}), progress=False))
+    return outcome(train(config(spec, work, "bench", spec["steps"], data=data or {}, failure=failure or {}),
+                         progress=False))
 
 
 def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -70,15 +72,15 @@ def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     return out
 
 
-def kill_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | None = None) -> dict[str, Any]:
     """raytrainer with the last worker SIGKILLed at spec["kill_step"]; its default
-    failure settings (warm spare) and a checkpoint every kill_checkpoint_every steps."""
+    failure settings (warm spare) but `failure`, and a checkpoint every kill_checkpoint_every steps."""
     from ..api import train
 
     marker = work / "kill-marker.json"
     cfg = config(spec, work, "bench-kill", spec["kill_steps"], task_args={"kill_marker": str(marker)},
                  checkpoint={"every_n_steps": spec["kill_checkpoint_every"], "async": True},
-                 failure={"max_failures": 1})
+                 failure={"max_failures": 1, **(failure or {})})
     killer = Killer(marker)
     killer.start()
     try:
@@ -98,6 +100,36 @@ def kill_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
     out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0])
     return out
+
+
+def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """FSDP, on one local Ray: the kill run recovering from peer snapshots (at the default
+    failure.snapshot_every_n_steps), the same recovering from the newest checkpoint
+    (snapshots off), then the train run with snapshots and without, for their cost."""
+    import ray
+
+    from ..config import FailureConfig
+
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    try:
+        peers = kill_raytrainer(spec, work / "peers")
+        checkpoint = kill_raytrainer(spec, work / "checkpoint", failure={"snapshot_every_n_steps": 0})
+        on = run_raytrainer(spec, work / "snapshots")
+        off = run_raytrainer(spec, work / "no-snapshots", failure={"snapshot_every_n_steps": 0})
+    finally:
+        ray.shutdown()
+    for run, source in ((peers, "peers"), (checkpoint, "checkpoint")):
+        if run["recovered_event"].get("state_from") != source:
+            raise BenchError(f"expected a recovery from {source}; it was: {run['recovered_event']}")
+    with_, without = rate(on["step_times"], spec["warmup_fraction"]), rate(off["step_times"], spec["warmup_fraction"])
+    return {"step_times": peers["step_times"], "phases": peers["phases"],
+            "snapshot_every_n_steps": FailureConfig().snapshot_every_n_steps,
+            "peers_kill_to_first_step_s": peers["kill_to_first_step_s"], "peers_steps_replayed": peers["steps_lost"],
+            "checkpoint_kill_to_first_step_s": checkpoint["kill_to_first_step_s"],
+            "checkpoint_steps_lost": checkpoint["steps_lost"],
+            "snapshot_steps_per_s": with_, "no_snapshot_steps_per_s": without,
+            "snapshot_overhead": 1 - with_ / without,
+            "peers_run": peers, "checkpoint_run": checkpoint}
 
 
 def grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from .faults import FAULTS, faults_raytrainer
 from .raw import input_raw, run_raw
 from .ray_train import kill_ray_train, run_ray_train
 from .report import input_steps_per_s, notes, recovery_lines, start_to_first_step, steady_steps_per_s, summarize
-from .rt import grow_raytrainer, input_raytrainer, kill_raytrainer, measure_checkpoint_stall, run_raytrainer
+from .rt import (grow_raytrainer, input_raytrainer, kill_raytrainer, measure_checkpoint_stall, peers_raytrainer,
+                 run_raytrainer)
 from .spec import CONTENDERS, PACKAGE_ROOT, BenchError, BenchSpec
 
 Runner = Callable[[dict[str, Any], Path], dict[str, Any]]
@@ -33,6 +34,7 @@ RUNNERS: dict[str, dict[str, Runner]] = {
     "grow": {"raytrainer": grow_raytrainer},
     "input": {"raw": input_raw, "raytrainer": input_raytrainer},
     "faults": {"raytrainer": faults_raytrainer},
+    "peers": {"raytrainer": peers_raytrainer},
 }
 """scenario -> contender -> what its process runs; a scenario runs the contenders it names."""
 
@@ -135,12 +137,12 @@ def machine() -> dict[str, Any]:
             "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1 (default)")}
 
 
-RUN_ORDER = ("train", "kill", "grow", "input", "faults")
+RUN_ORDER = ("train", "kill", "grow", "input", "faults", "peers")
 """The order the scenarios with contender processes run in, in each repetition; the
 checkpoint stall is measured after them, in this process."""
 
 
-ALONE = ("kill", "faults")
+ALONE = ("kill", "faults", "peers")
 """Scenarios whose runs never share the machine with another run of the bench (--parallel)."""
 
 
@@ -153,6 +155,8 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
         "input": f"{label}, a slow dataset, {spec.input_workers} loader processes per rank",
         "faults": f"{label}, {spec.faults_workers} workers, an undisturbed run, then one with "
                   f"{len(FAULTS)} faults {spec.faults_every} steps apart",
+        "peers": f"{label}, fsdp, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}, recovered from "
+                 "peer snapshots, then from a checkpoint; steps/s with snapshots and without",
     }[scenario]
 
 
@@ -165,6 +169,11 @@ def _outcome(scenario: str, run: dict[str, Any]) -> list[str]:
     if scenario == "grow":
         return [f"training paused {run['grow_pause_s']:.2f} s, "
                 f"{run['node_added_to_resized_s']:.1f} s after the node was added"]
+    if scenario == "peers":
+        return [f"recovered from peers in {run['peers_kill_to_first_step_s']:.2f} s ({run['peers_steps_replayed']} "
+                f"steps replayed), from a checkpoint in {run['checkpoint_kill_to_first_step_s']:.2f} s "
+                f"({run['checkpoint_steps_lost']} lost); snapshots cost {100 * run['snapshot_overhead']:.1f}% "
+                "of steps/s"]
     if scenario == "input":
         extra = (f" ({run['no_loaders_steps_per_s']:.1f} with data.num_workers 0)"
                  if "no_loaders_steps_per_s" in run else "")

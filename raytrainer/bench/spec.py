@@ -12,7 +12,10 @@ CONTENDERS = ("raw", "ray_train", "raytrainer")
 LABELS = {"raw": "raw DDP", "ray_train": "Ray Train", "raytrainer": "raytrainer"}
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 """The folder that holds this raytrainer package: contenders' workers import it from there."""
-SCENARIOS = ("train", "kill", "stall", "grow", "input", "faults")
+SCENARIOS = ("train", "kill", "stall", "grow", "input", "faults", "peers")
+FSDP_SCENARIOS = ("train", "peers")
+"""What --strategy fsdp measures: the train scenario against raw FSDP2, and recovery from
+peer snapshots against recovery from a checkpoint (sharded state only)."""
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -76,14 +79,15 @@ class BenchSpec:
     """Which measurements to run: train (start-up, steps/s), kill (worker SIGKILL),
     stall (checkpoint stall), grow (elastic grow by one worker), input (a slow dataset
     through loader processes), faults (five faults in one run, against an undisturbed
-    one); comma-separated."""
+    one), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,
+    and the snapshots' cost in steps/s); comma-separated."""
     parallel: int = 1
     """Contender runs at a time. Above 1 the runs share the machine, so their figures say
     nothing about each contender: for checking that the bench works (--smoke), not for
     measuring. The kill and faults runs still run one at a time: their faults must land on time."""
     strategy: str = "ddp"
     """ddp, or fsdp: FSDP2 (fully_shard on each Linear and on the root) in raw torch against
-    raytrainer with trainer.strategy: fsdp; the train scenario only, without Ray Train."""
+    raytrainer with trainer.strategy: fsdp, without Ray Train; the train and peers scenarios."""
 
     def __post_init__(self):
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
@@ -118,10 +122,13 @@ class BenchSpec:
             raise ConfigError(f"bench --scenarios={self.scenarios!r}: choose from {', '.join(SCENARIOS)}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"bench --strategy={self.strategy!r}: choose from {', '.join(STRATEGIES)}")
-        if self.strategy != "ddp" and self.scenario_list != ["train"]:
-            raise ConfigError(f"bench --strategy {self.strategy} measures the train scenario only: "
-                              "pass --scenarios train")
-        if "kill" in self.scenario_list:
+        if self.strategy != "ddp" and not set(self.scenario_list) <= set(FSDP_SCENARIOS):
+            raise ConfigError(f"bench --strategy {self.strategy} measures the {' and '.join(FSDP_SCENARIOS)} "
+                              f"scenarios only: pass --scenarios {','.join(FSDP_SCENARIOS)} or a part of it")
+        if self.strategy == "ddp" and "peers" in self.scenario_list:
+            raise ConfigError("bench --scenarios peers measures peer snapshots of sharded state: pass "
+                              "--strategy fsdp")
+        if "kill" in self.scenario_list or "peers" in self.scenario_list:
             if self.workers < 2:
                 raise ConfigError("bench --scenarios kill needs --workers >= 2: a worker must survive")
             if not 1 < self.kill_step < self.kill_steps:
