@@ -101,7 +101,9 @@ class Controller:
         self.state = State.STARTING
         self.step = 0
         self.result: Any = None
-        self._train_step = 0  # the last training row recorded (rows re-sent after a recovery are dropped)
+        # The last training and validation rows recorded: rows re-sent by workers that
+        # redo steps after a recovery (replayed from a snapshot or a checkpoint) are dropped.
+        self._train_step, self._val_step = 0, -1
         self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (its progress, when it last moved)
         self._status_at = self._reset_at = self._blocked_at = 0.0
         self._hung_now: list[Failure] = []
@@ -156,7 +158,8 @@ class Controller:
                 self.events.log("storage_checked", step=self.step, **checked)
         formed = self.group.setup(resume[2] if resume else None)
         self._replicated = formed.replicated
-        self.step = self.ctx.step = self._train_step = resume[0] if resume else 0
+        self.step = self.ctx.step = resume[0] if resume else 0
+        self._train_step = max(self._train_step, self.step)
         if resume:
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
         if self.progress is not None:
@@ -488,10 +491,11 @@ class Controller:
     def _record(self, rows: list[dict[str, Any]]) -> None:
         # A training row at or before the last one recorded was re-sent by a worker that
         # redid a step after a recovery: the first one stands.
-        rows = [r for r in rows if _is_val(r) or r["step"] > self._train_step]
+        rows = [r for r in rows if r["step"] > (self._val_step if _is_val(r) else self._train_step)]
         if not rows:
             return
         self._train_step = max([self._train_step] + [r["step"] for r in rows if not _is_val(r)])
+        self._val_step = max([self._val_step] + [r["step"] for r in rows if _is_val(r)])
         self._rows_at = self._rows_at[-1:] + [(time.monotonic(), self._train_step)]
         self.step = max(self.step, rows[-1]["step"])
         self.hub.write(rows)

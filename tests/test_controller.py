@@ -316,11 +316,17 @@ class ShardedGroup(FailingGroup):
 def test_sharded_state_recovers_from_peer_snapshots_and_replays_the_steps_since(tmp_path):
     from_peers = Reformed(step=2, nodes=NODES, source=None, state_from="peers", replaced=[1],
                           snapshot_step=2, peers={1: 0})
-    group = ShardedGroup([Poll(rows(1, 2, 3)), Poll(failures=[died(1, step=3)]), Poll(failures=[interrupted(0)]),
-                          Poll(rows(3), done=True, result=WEIGHTS)], [from_peers])
+    val = {"step": 2, "epoch": 0, "world_size": 2, "time": 0.0, "val_loss": 0.5}
+    group = ShardedGroup([Poll(rows(1, 2) + [val] + rows(3)), Poll(failures=[died(1, step=3)]),
+                          Poll(failures=[interrupted(0)]),
+                          Poll(rows(3, 4) + [val, dict(val, step=4)], done=True, result=WEIGHTS)], [from_peers])
     controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: pytest.fail("read storage"))
     assert controller.run() == WEIGHTS
     events.close()
+    # The replayed step 3 and validation of step 2 were recorded the first time only.
+    written = read(tmp_path / "metrics.jsonl")
+    assert [(r["step"], "val_loss" in r) for r in written] == [(1, False), (2, False), (2, True), (3, False),
+                                                               (4, False), (4, True)]
     assert [c for c in group.calls if c[0] in ("setup", "shutdown", "reform", "reform_from_peers")] == [
         ("setup", None), ("reform_from_peers", (1,)), ("shutdown",)]
     recovered = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered")

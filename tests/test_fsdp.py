@@ -13,7 +13,7 @@ import torch
 import raytrainer
 
 from .conftest import assert_no_leaks
-from .faults import Run, kill
+from .faults import Run, freeze, kill
 
 STEPS = 8
 
@@ -154,6 +154,23 @@ def test_a_worker_killed_from_outside_is_recovered_from_its_peers_snapshot(fsdp3
     assert not of(result.events, "resumed")  # no checkpoint was read
     assert_same(weights(result), fsdp3)
     assert sorted(losses(result)) == list(range(1, PEER_STEPS + 1))
+    assert_no_leaks()
+
+
+def test_a_frozen_worker_is_replaced_and_recovered_from_its_peers_snapshot(fsdp3, tmp_path):
+    """SIGSTOP: the others wait for it in a sharded collective; after step_timeout_s it alone
+    is blamed and killed, and its replacement takes the copy rank 2 holds."""
+    cfg = peer_config(tmp_path, "frozen")
+    cfg["failure"]["step_timeout_s"] = 3
+    run = Run(cfg)
+    run.wait_for_step(6)
+    time.sleep(random.uniform(0, 0.1))
+    freeze(run.pids()[1])
+    result = run.result()
+    failed, recovered = of(result.events, "worker_failed"), of(result.events, "recovered")
+    assert [(f["kind"], f["rank"]) for f in failed] == [("hung", 1)]
+    assert len(recovered) == 1 and recovered[0]["state_from"] == "peers" and recovered[0]["peers"] == {"1": 2}
+    assert_same(weights(result), fsdp3)
     assert_no_leaks()
 
 
