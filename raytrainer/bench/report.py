@@ -185,7 +185,7 @@ def notes(spec: BenchSpec) -> list[str]:
             "the failure minus the step training resumed from. Raw DDP has no recovery.")
     if "peers" in spec.scenario_list:
         out.append(
-            f"Peers runs (fsdp, one local Ray): the kill run as above ({spec.kill_steps} steps, the last rank "
+            f"Peers runs (fsdp, one local Ray): the kill scenario's run ({spec.kill_steps} steps, the last rank "
             f"SIGKILLed from outside as it starts step {spec.kill_step}, a checkpoint every "
             f"{spec.kill_checkpoint_every} steps, the warm spare), once with peer snapshots at the default "
             "failure.snapshot_every_n_steps and once with them off (recovery from the newest checkpoint); then "
