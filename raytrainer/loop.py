@@ -27,7 +27,9 @@ And the work after a step (validation, logging, checkpoint) is flagged pending
 until done, so a step interrupted there is finished, not skipped, on resume.
 
 An elastic resize pauses every rank at the same step boundary agreed in the metrics
-reduction (window.py); the ranks stop (`paused`), with nothing half-done, to be regrouped.
+reduction (window.py: under DDP each step's metrics ride on its gradient all-reduce,
+otherwise a window's on one all-reduce of their own); the ranks stop (`paused`), with
+nothing half-done, to be regrouped.
 """
 
 from __future__ import annotations
@@ -250,6 +252,7 @@ class Loop:
         last = len(sizes) - 1
         lr = float(self.optimizer.param_groups[0]["lr"]) * self.lr_scale  # the LR this step uses
         scaler = self.scaler
+        carrier = self.strategy.carrier  # the metrics ride on the gradient all-reduce (DDP)
         total = None  # the step's metrics, weighted like the loss (this rank's share)
         for i, size in enumerate(sizes):
             divisor = self.plan.loss_divisor(size)
@@ -260,19 +263,27 @@ class Loop:
                     with self._autocast():
                         out = self.task.train_step(self.model, batch)
                 loss = self._loss_of(out) / divisor
+                values = self._stack(out, "train") / divisor
+                total = values if total is None else total + values
+                if sync and carrier is not None:
+                    carrier.send(total, self.pause_requested)
                 # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
                 # the last backward.
                 with self._phase("collective") if sync and self.world_size > 1 else _NO_PHASE:
                     (scaler.scale(loss) if scaler else loss).backward()
             self.progress += 1
-            values = self._stack(out, "train") / divisor
-            total = values if total is None else total + values
+        carried = carrier.receive() if carrier is not None else None
 
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.cfg.grad_clip_norm is not None:
             norm = self.strategy.clip_grad_norm(self.module, self.cfg.grad_clip_norm)
-            total = torch.cat([total, norm.detach().float().reshape(1).to(total.device)])
+            norm = norm.detach().float().reshape(1).to(total.device)
+            # The norm of all-reduced gradients is the same on every rank: carried steps
+            # report it as it is; a window reduces it with the rest.
+            total = norm if carried is not None else torch.cat([total, norm])
+        elif carried is not None:
+            total = None
         applied = True
         with self._scaled_lr():
             if scaler is not None:
@@ -305,7 +316,7 @@ class Loop:
                 info["mfu"] = info["model_flops_per_s"] / (self.peak_flops * self.world_size)
         if scaler is not None:
             info["skipped_steps"] = self.skipped_steps
-        self.window.add(info, total)
+        self.window.add(info, total, carried)
         if self.chaos.due:
             with self._in_user_code():
                 self.chaos.act(self.step, self.rank)
@@ -418,6 +429,8 @@ class Loop:
         `self.step`: gradients, BatchNorm running statistics, metrics not yet reduced."""
         self.train.abandon_step()
         self.window.clear()
+        if self.strategy.carrier is not None:
+            self.strategy.carrier.clear()
         self.chaos.cancel()
         self.train_input.reset()  # it had prepared the rest of the interrupted step
         self.phase = "framework"

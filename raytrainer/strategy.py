@@ -23,12 +23,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import TrainerConfig
 from .syncbn import convert_sync_batchnorm
+from .window import Carrier
 
 
 class Strategy(Protocol):
     name: str
     replicated: bool
     """Every rank holds the whole state (a survivor's state is everybody's)."""
+    carrier: Carrier | None
+    """Set by wrap where the step's gradient reduction also carries the step's metrics
+    (window.Carrier); None: the metrics window reduces them with a collective of its own."""
 
     def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The module to build the optimizer over: converted, on its device, sharded."""
@@ -73,6 +77,7 @@ class DDP:
 
     def __init__(self, cfg: TrainerConfig, most_workers: int):
         self.cfg = cfg
+        self.carrier: Carrier | None = None
         # Decided once for the whole run: every rank must run the same collectives, and
         # an elastic run may grow past one worker later.
         self.sync_batchnorm = cfg.sync_batchnorm and most_workers > 1
@@ -83,10 +88,13 @@ class DDP:
         return module.to(device)
 
     def wrap(self, module: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
+        self.carrier = None
         if world_size == 1:
             return module
         # Wrapping broadcasts rank 0's weights to every rank: the state must be final.
         ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        self.carrier = Carrier(device)
+        ddp.register_comm_hook(self.carrier, _allreduce_carrying)  # before the reducer is wrapped
         if hasattr(ddp.reducer, "_rebuild_buckets"):
             ddp.reducer = _FixedBuckets(ddp.reducer)
         return ddp
@@ -127,6 +135,7 @@ class FSDP:
 
     name = "fsdp"
     replicated = False
+    carrier = None  # no DDP bucket to ride on: the metrics window reduces the metrics
 
     def __init__(self, cfg: TrainerConfig, task: Any = None):
         self.cfg, self.options, self.task = cfg, cfg.fsdp, task
@@ -226,6 +235,48 @@ class _FixedBuckets:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reducer, name)
+
+
+# Unannotated: DDP rejects a hook whose annotations are not its own types (strings here).
+def _allreduce_carrying(carrier, bucket):
+    """DDP's gradient all-reduce, with the step's metrics (carrier.outgoing) appended to
+    its last bucket: no collective of their own.
+
+    The gradients come out as without a hook: the reducer, hookless, multiplies each
+    gradient by 1 / world size as it copies it into the bucket (not a division: x / 3 and
+    x * (1/3) differ in the last bit), then sums the bucket over ranks; so does this hook.
+    With 2 ranks every element's sum is a + b whatever the collective's layout. With 3 or
+    more, the collective splits a buffer by its length, so the few appended values move
+    the split of the last bucket, and with it the order of some gradient sums: a few ulps
+    from a hookless run, but the same in every run at that world size (the metrics' count
+    is fixed by the task), so a run with failures still ends bit-identical to an
+    undisturbed one."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size())
+    extra = carrier.outgoing
+    if not bucket.is_last() or extra is None:
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    if buffer.dtype != extra.dtype:  # half-precision gradients: the metrics keep float32, apart
+        grads = dist.all_reduce(buffer, async_op=True).get_future()
+        metrics = dist.all_reduce(extra, async_op=True).get_future()
+
+        def both(fut: torch.futures.Future) -> torch.Tensor:
+            reduced_grads, reduced_metrics = fut.value()
+            carrier.reduced = reduced_metrics.value()[0]
+            return reduced_grads.value()[0]
+
+        return torch.futures.collect_all([grads, metrics]).then(both)
+    size = buffer.numel()
+    joined = torch.cat([buffer, extra])
+
+    def split(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        carrier.reduced = reduced[size:]
+        return reduced[:size]
+
+    return dist.all_reduce(joined, async_op=True).get_future().then(split)
 
 
 def build_strategy(cfg: TrainerConfig, most_workers: int, task: Any = None) -> Strategy:

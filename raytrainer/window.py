@@ -1,14 +1,18 @@
-"""Per-step training metrics, reduced over ranks a window of steps at a time, and the
-pause agreement that rides along.
+"""Per-step training metrics, reduced over ranks, and the pause agreement that rides along.
 
 Each step's metrics stay on the device until a flush (every log_every_n_steps, before
-validation, at the end): one all-reduce then covers a whole window, and `report`
-receives one row per step. A window's all-reduce is started at one flush and collected
-at the next, so training never waits for it (rows reach the driver one window later).
+validation, at the end), and `report` then receives one row per step. They are reduced
+over ranks in one of two ways:
+- carried: where the strategy has a Carrier (DDP on more than one rank), each step's
+  metrics ride on the step's own gradient all-reduce (appended to its last bucket), so
+  metrics cost no collective of their own; a flush only reports what is already reduced;
+- by window: otherwise (one rank, FSDP), one all-reduce covers a whole window, started at
+  one flush and collected at the next, so training never waits for it (rows reach the
+  driver one window later).
 
-The reduction carries one more column: whether this rank was asked to pause (for a
-resize). When a reduction is collected, at the same step on every rank, all ranks see
-the same sum, so they agree to pause at the same step boundary with no extra message.
+Either way the reduction carries one more column: whether this rank was asked to pause
+(for a resize). What a flush collects is the same on every rank (the same steps, the same
+sums), so all ranks agree to pause at the same step boundary with no extra message.
 """
 
 from __future__ import annotations
@@ -23,39 +27,84 @@ from .dist import all_reduce_sum
 Report = Callable[[list[dict[str, Any]]], None]
 
 
+class Carrier:
+    """A step's metrics on their way through the gradient all-reduce (see strategy.DDP).
+
+    The loop sets `outgoing` (this rank's metrics, then its pause flag) before the step's
+    last backward; the strategy's communication hook sends them with the gradients and
+    leaves their sums over ranks in `reduced`."""
+
+    def __init__(self, device: torch.device):
+        self.outgoing: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None
+        # The two flags, made once: no host-to-device copy per step on a GPU.
+        self._flags = (torch.zeros(1, device=device), torch.ones(1, device=device))
+
+    def send(self, values: torch.Tensor, pause_requested: bool) -> None:
+        self.outgoing = torch.cat([values, self._flags[bool(pause_requested)]])
+        self.reduced = None
+
+    def receive(self) -> torch.Tensor:
+        reduced, self.outgoing, self.reduced = self.reduced, None, None
+        if reduced is None:
+            raise RuntimeError("the step's gradient all-reduce did not carry its metrics: DDP's "
+                               "communication hook never saw the last bucket")
+        return reduced
+
+    def clear(self) -> None:
+        self.outgoing = self.reduced = None
+
+
 class MetricsWindow:
     def __init__(self, report: Report, waiting: Callable[[], contextlib.AbstractContextManager]):
         self.report = report  # where reduced rows go (rank 0: the driver; others: nowhere)
         self._waiting = waiting  # marks the wait for peers (the driver's hang check)
-        self._window: list[tuple[dict[str, Any], torch.Tensor]] = []  # (host fields, metrics on device)
+        # (host fields, metrics on the device, their carried sums or None), a step each
+        self._window: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]] = []
         self._pending: list[tuple[Any, torch.Tensor, list]] = []  # windows being all-reduced
         self.latest: dict[str, float] = {}  # the newest reduced values (what keep_best ranks by)
 
-    def add(self, info: dict[str, Any], values: torch.Tensor) -> None:
-        """A step's row: its host-side fields and its metrics (this rank's share) on the device."""
-        self._window.append((info, values))
+    def add(self, info: dict[str, Any], values: torch.Tensor | None, carried: torch.Tensor | None = None) -> None:
+        """A step's row: its host-side fields and its metrics on the device. Either `values`
+        is this rank's share, reduced at a flush; or `carried` holds the sums over ranks (the
+        pause flags' last) and `values` only the columns the same on every rank (the gradient
+        norm of all-reduced gradients), or None."""
+        self._window.append((info, values, carried))
 
     def flush(self, keys: list[str], world_size: int, *, pause_requested: bool, wait: bool = False) -> bool:
         """Start reducing the buffered steps, report those reduced since the last flush (all
         of them with `wait`); return whether some rank asked to pause in what was collected."""
         agreed = False
+        ready = None
         if self._window:
             window, self._window = self._window, []
-            values = torch.stack([v for _, v in window])
-            flag = torch.full((len(window), 1), float(pause_requested), device=values.device)
-            values = torch.cat([values, flag], dim=1)
-            self._pending.append((all_reduce_sum(values, async_op=True), values, window))
-        while self._pending and (wait or len(self._pending) > 1):
+            if window[0][2] is not None:  # reduced already, in the steps' gradient all-reduce
+                ready = window
+            else:
+                values = torch.stack([v for _, v, _ in window])
+                flag = torch.full((len(window), 1), float(pause_requested), device=values.device)
+                values = torch.cat([values, flag], dim=1)
+                self._pending.append((all_reduce_sum(values, async_op=True), values, window))
+        while self._pending and (wait or ready is not None or len(self._pending) > 1):
             work, values, window = self._pending.pop(0)
             if work is not None:
                 with self._waiting():
                     work.wait()
             agreed |= bool(values[-1, -1] > 0)
-            means = (values[:, :-1] / world_size).tolist()
-            rows = [{**info, **dict(zip(keys, v))} for (info, _), v in zip(window, means)]
-            self.latest.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
-            self.report(rows)
+            self._report(keys, window, values[:, :-1] / world_size)
+        if ready is not None:
+            sums = torch.stack([c for _, _, c in ready])
+            means = sums[:, :-1] / world_size
+            if ready[0][1] is not None:
+                means = torch.cat([means, torch.stack([v for _, v, _ in ready])], dim=1)
+            agreed |= bool(sums[:, -1].max() > 0)
+            self._report(keys, ready, means)
         return agreed
+
+    def _report(self, keys: list[str], window: list, means: torch.Tensor) -> None:
+        rows = [{**info, **dict(zip(keys, v))} for (info, _, _), v in zip(window, means.tolist())]
+        self.latest.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
+        self.report(rows)
 
     def clear(self) -> None:
         """Drop what a step abandoned half-way buffered (its peers never reduced it)."""

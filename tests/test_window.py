@@ -1,0 +1,55 @@
+"""Per-step metrics under DDP on two local Gloo processes (no Ray): each step's metrics
+ride on its gradient all-reduce (window.Carrier), and give what a collective of their own
+gave, without touching the gradients."""
+
+import torch
+
+from raytrainer.config import TrainerConfig
+from raytrainer.loop import Loop
+
+from .dist_procs import run_ranks
+from .tasks import RegressionTask
+
+
+def _train(rank, world, how, **trainer):
+    if how == "hookless":  # DDP as it comes: the metrics take the window's all-reduce
+        torch.nn.parallel.DistributedDataParallel.register_comm_hook = lambda *args: None
+    rows = []
+    cfg = TrainerConfig(max_steps=7, global_batch_size=16, **trainer)
+    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
+                report=rows.extend)
+    if how == "hookless":
+        loop.strategy.carrier = None
+    carried = loop.strategy.carrier is not None
+    weights = loop.fit()
+    return weights, rows, carried
+
+
+def test_carried_metrics_match_a_window_reduction_and_leave_the_weights_bit_identical():
+    """Accumulation (2 micro-batches a rank), a window of 3 steps, clipping (a norm that
+    needs no reduction): the same rows, and weights equal to the bit."""
+    trainer = dict(micro_batch_size=4, log_every_n_steps=3, grad_clip_norm=0.5)
+    (weights, rows, carried), (none, others, _) = run_ranks(_train, 2, "carried", **trainer)
+    (reference, expected, hooked), _ = run_ranks(_train, 2, "hookless", **trainer)
+    assert carried and not hooked and none is None and others == []
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 8))
+    drop = ("time", "samples_per_s")  # wall-clock fields
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in expected]
+
+
+def _pause(rank, world, log_every):
+    cfg = TrainerConfig(max_steps=20, global_batch_size=16, log_every_n_steps=log_every)
+    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
+                report=lambda rows: None)
+    loop.pause_requested = rank == 1  # the driver asked rank 1 only
+    assert loop.strategy.carrier is not None
+    assert loop.fit() is None and loop.paused
+    return loop.step
+
+
+def test_a_pause_asked_of_one_rank_stops_every_rank_at_the_same_step():
+    assert run_ranks(_pause, 2, 1) == [1, 1]  # learnt in step 1's own all-reduce
+    assert run_ranks(_pause, 2, 4) == [4, 4]  # at the end of the first window
