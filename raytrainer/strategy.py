@@ -242,15 +242,28 @@ def _allreduce_carrying(carrier, bucket):
     """DDP's gradient all-reduce, with the step's metrics (carrier.outgoing) appended to
     its last bucket: no collective of their own.
 
-    The gradients come out as without a hook: the reducer, hookless, multiplies each
+    The gradients are scaled as without a hook: the reducer, hookless, multiplies each
     gradient by 1 / world size as it copies it into the bucket (not a division: x / 3 and
     x * (1/3) differ in the last bit), then sums the bucket over ranks; so does this hook.
-    With 2 ranks every element's sum is a + b whatever the collective's layout. With 3 or
-    more, the collective splits a buffer by its length, so the few appended values move
-    the split of the last bucket, and with it the order of some gradient sums: a few ulps
-    from a hookless run, but the same in every run at that world size (the metrics' count
-    is fixed by the task), so a run with failures still ends bit-identical to an
-    undisturbed one."""
+
+    At 3 or more ranks the sums may still differ from hookless DDP's in the last bits,
+    because the appended values lengthen the buffer. Gloo's ring all-reduce cuts n
+    elements into 2P segments of ceil(n / 2P), two per rank (chunk c, for rank c), and
+    sums chunk c around the ring from rank c-1 back: x[c] + (x[c+1] + (... + x[c-1])).
+    A longer buffer moves the chunk boundaries, so a few gradients near them change chunk
+    and are summed in another order, which with 3 or more terms can round differently
+    (float addition commutes but does not associate: 2 ranks, a + b, stay bit-identical).
+    A Python model of that order reproduces Gloo's sums bit for bit (torch 2.13); e.g. a
+    4099-element bucket with 7 values appended, 3 ranks: 3 gradients off, by at most 4
+    ulps. The same holds for the carried metrics against an all-reduce of their own
+    (tests/test_window.py), and NCCL too picks its algorithm and chunks by message size.
+
+    Accepted: the layout depends only on the model, the world size and the number of
+    metrics, so every run of a config at a world size sums alike, and a run with kills
+    ends bit-identical to an undisturbed one (the promise); against hookless DDP it is
+    another rounding of the same sum, like the one DDP's own re-bucketing would bring
+    (see _FixedBuckets). Making it vanish would take padding that keeps Gloo's boundaries,
+    which no padding can once the appended values exceed the last segment's slack."""
     import torch.distributed as dist
 
     buffer = bucket.buffer()

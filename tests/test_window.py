@@ -2,10 +2,13 @@
 ride on its gradient all-reduce (window.Carrier), and give what a collective of their own
 gave, without touching the gradients."""
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from raytrainer.config import TrainerConfig
 from raytrainer.loop import Loop
+from raytrainer.strategy import DDP
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask
@@ -53,3 +56,28 @@ def _pause(rank, world, log_every):
 def test_a_pause_asked_of_one_rank_stops_every_rank_at_the_same_step():
     assert run_ranks(_pause, 2, 1) == [1, 1]  # learnt in step 1's own all-reduce
     assert run_ranks(_pause, 2, 4) == [4, 4]  # at the end of the first window
+
+
+def _carry(rank, world):
+    """One DDP backward carrying three metrics: what the hook gave and what a plain
+    all-reduce of the same metrics gives."""
+    torch.manual_seed(0)  # the same weights everywhere (DDP broadcasts rank 0's anyway)
+    strategy = DDP(TrainerConfig(max_steps=1, global_batch_size=16), world)
+    model = strategy.wrap(torch.nn.Linear(64, 3), world, torch.device("cpu"))  # one bucket of 195
+    inputs = torch.Generator().manual_seed(rank)
+    metrics = torch.randn(3, generator=inputs)  # values whose 3-term sums depend on the order
+    strategy.carrier.send(metrics, pause_requested=rank == 1)
+    model(torch.randn(8, 64, generator=inputs)).square().mean().backward()
+    plain = torch.cat([metrics, torch.tensor([float(rank == 1)])])
+    dist.all_reduce(plain)
+    return strategy.carrier.receive(), plain
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_metrics_carried_by_the_gradient_all_reduce_equal_a_plain_all_reduce_of_them(world):
+    carried, plain = run_ranks(_carry, world)[0]
+    assert plain[-1] == 1  # rank 1's pause flag, summed
+    if world == 2:
+        assert torch.equal(carried, plain)
+    else:  # summed in another order (see strategy._allreduce_carrying): the last bit may differ
+        torch.testing.assert_close(carried, plain, rtol=1e-6, atol=1e-6)
