@@ -445,11 +445,13 @@ class RayWorkerGroup:
         still blocked (waiting for the lost peer) are killed, and ReformFailed says who."""
         world = len(self.actors)
         refs: dict[Any, int] = {}
-        where = self._outcome(0, self.actors[0].rendezvous.remote())
-        if isinstance(where, Failure):
+        # Waited for like the forming calls below, with the same hang check: a rank 0 that
+        # froze (or never answers) would otherwise hold the driver here for ever.
+        where, failures, _ = self._wait_answering({self.actors[0].rendezvous.remote(): 0}, grace_s=0.0)
+        if failures:
             self.kill(0)
-            raise ReformFailed([where], [0])
-        addr, port = where
+            raise ReformFailed(failures, [0])
+        addr, port = where[0]
         for rank, (take, state) in calls.items():
             actor = self.actors[rank]
             if take is None:

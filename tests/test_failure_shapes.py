@@ -4,6 +4,7 @@ frozen with SIGSTOP, kills and freezes at random moments inside a step, a kill w
 checkpoint is being written. Each run recovers in memory and ends bit-identical to an
 undisturbed one."""
 
+import threading
 import time
 
 import pytest
@@ -137,4 +138,39 @@ def test_the_survivor_giving_its_state_freezes_while_the_group_re_forms(undistur
     # From the other survivor's memory, unless it had to be killed to unblock it (it was
     # left waiting in a collective on the source): then from the start, no checkpoint here.
     assert recovered[0].get("state_from") == "memory" or recovered[0]["from_checkpoint"] is None
+    assert_no_leaks()
+
+
+def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_local, tmp_path):
+    """The group's rendezvous address is asked of rank 0 first: a rank 0 frozen then (or
+    whose process never answers) is a hang like any other, found after step_timeout_s and
+    reported to the controller, not a call the driver waits on for ever."""
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.group import RayWorkerGroup
+
+    group = RayWorkerGroup(load_config(config(tmp_path, "rendezvous")), use_gpu=False, cluster_can_grow=False)
+    frozen = None
+    try:
+        frozen = group.start()[0].pid
+        freeze(frozen)
+        ended = []
+
+        def form():
+            try:
+                group.setup()
+                ended.append(None)
+            except ReformFailed as exc:
+                ended.append(exc)
+
+        thread = threading.Thread(target=form, daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive(), "the driver is still waiting for a frozen rank 0"
+        assert isinstance(ended[0], ReformFailed)
+        assert [(f.rank, f.kind) for f in ended[0].failures] == [(0, "hung")] and ended[0].dead == [0]
+    finally:
+        if frozen is not None:
+            kill(frozen)
+        group.shutdown()
     assert_no_leaks()
