@@ -174,3 +174,36 @@ def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_loc
             kill(frozen)
         group.shutdown()
     assert_no_leaks()
+
+
+def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(ray_local, tmp_path):
+    """The double kill's hang, made deterministic: a re-form fails part-way (a new worker
+    never arrives, so the others' group init times out and they stay, as survivors), and
+    the next re-form joins them with a fresh worker. torch names a process's default group
+    after a counter that a failed init leaves moved: without resetting it the survivors
+    and the fresh worker wait for each other's keys until collective_timeout_s, at every
+    attempt."""
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.group import RayWorkerGroup
+
+    stall = tmp_path / "stall-pids"
+    cfg = config(tmp_path, "failed-re-form", stall_pid_file=str(stall))
+    cfg["failure"].update(step_timeout_s=120, collective_timeout_s=15)
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    try:
+        nodes = group.start()
+        group.setup()
+        kill(nodes[1].pid)
+        stall.write_text("!" + " ".join(str(n.pid) for n in nodes))  # rank 1's replacement stalls
+        with pytest.raises(ReformFailed) as failed:
+            group.reform([1])
+        assert sorted((f.rank, f.kind) for f in failed.value.failures) == [(0, "interrupted"), (2, "interrupted")]
+        assert failed.value.dead == [1]
+        stall.unlink()
+        reformed = group.reform([1])
+        assert reformed.replaced == [1] and [n.pid for n in reformed.nodes][::2] == [nodes[0].pid, nodes[2].pid]
+    finally:
+        stall.unlink(missing_ok=True)
+        group.shutdown()
+    assert_no_leaks()
