@@ -176,6 +176,43 @@ def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_loc
     assert_no_leaks()
 
 
+def test_a_worker_that_never_reaches_the_rendezvous_is_found_hung_not_waited_for(ray_local, tmp_path):
+    """A worker stuck in its own code while the group forms (here: building the task, like
+    a stuck read) still answers its control channel; its peers wait for it in the
+    rendezvous. It is the one hung, found after step_timeout_s, not a wait of
+    failure.collective_timeout_s (600 s here)."""
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.group import RayWorkerGroup
+
+    stall = tmp_path / "stall-pid"
+    cfg = config(tmp_path, "never-arrives", stall_pid_file=str(stall))
+    cfg["failure"]["collective_timeout_s"] = 600
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    try:
+        stall.write_text(str(group.start()[1].pid))
+        ended = []
+
+        def form():
+            try:
+                group.setup()
+                ended.append(None)
+            except ReformFailed as exc:
+                ended.append(exc)
+
+        thread = threading.Thread(target=form, daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive(), "the driver is still waiting on peers waiting for rank 1"
+        assert isinstance(ended[0], ReformFailed)
+        assert [(f.rank, f.kind) for f in ended[0].failures] == [(1, "hung")]
+        assert "rendezvous" in ended[0].failures[0].cause and 1 in ended[0].dead
+    finally:
+        stall.unlink(missing_ok=True)
+        group.shutdown()
+    assert_no_leaks()
+
+
 def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(ray_local, tmp_path):
     """The double kill's hang, made deterministic: a re-form fails part-way (a new worker
     never arrives, so the others' group init times out and they stay, as survivors), and
