@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol
 Phase = Literal["setup", "user", "framework", "collective"]
 """Where a worker's training thread is: building the task, in the task's code (or its
 data), in ours, or waiting for its peers in a collective."""
+Forming = Literal["preparing", "joining", "joined", None]
+"""Where a worker's call forming a group is (Status.forming)."""
 
 
 Resume = tuple[int, str, bytes | str]
@@ -40,6 +42,10 @@ class Status:
     phase: Phase
     after_pending: bool = False
     """The work after `step` (validation, logging, checkpoint) is not done yet."""
+    forming: Forming = None
+    """Where its call forming a group is: before the group's rendezvous (building the task,
+    loading the state), in it (waiting for its peers to arrive), or past it; None: no
+    such call running."""
 
     @property
     def position(self) -> tuple[int, bool]:

@@ -39,6 +39,16 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
     store, for every group formed). `timeout_s` bounds every collective."""
     if dist.is_initialized():
         leave_group(failed=True)
+    # torch names the default group after a per-process counter (_world.group_count), and the
+    # group's keys in the store carry that name. The counter moves before the rendezvous and
+    # goes back to 0 only when a group is destroyed or aborted, so after an init that failed
+    # (a peer lost while the group formed) this process would name its next group "1" while a
+    # fresh replacement names it "0": each side waits for keys the other never writes, for
+    # timeout_s, at every later attempt too (seen: a double kill's re-form waiting 600 s).
+    # With no group left in this process, the next one is its first: count from 0, as a new
+    # process does.
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
     # The flight recorder keeps the last collectives of each rank (Gloo and NCCL), dumped
     # beside the stacks of a hung worker. NCCL: on an error or a timeout the watchdog
     # aborts the communicators and the collective raises, but it never kills the process

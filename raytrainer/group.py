@@ -512,11 +512,13 @@ class RayWorkerGroup:
         still blocked (waiting for the lost peer) are killed, and ReformFailed says who."""
         world = len(self.actors)
         refs: dict[Any, int] = {}
-        where = self._outcome(0, self.actors[0].rendezvous.remote())
-        if isinstance(where, Failure):
+        # Waited for like the forming calls below, with the same hang check: a rank 0 that
+        # froze (or never answers) would otherwise hold the driver here for ever.
+        where, failures, _ = self._wait_answering({self.actors[0].rendezvous.remote(): 0}, grace_s=0.0)
+        if failures:
             self.kill(0)
-            raise ReformFailed([where], [0])
-        addr, port = where
+            raise ReformFailed(failures, [0])
+        addr, port = where[0]
         for rank, (take, state) in calls.items():
             actor = self.actors[rank]
             if take is None:
@@ -537,11 +539,16 @@ class RayWorkerGroup:
         and the ranks still pending. After the first failure the others get `grace_s`. A
         worker frozen meanwhile would hold the others (in a rendezvous, until
         failure.collective_timeout_s) or this wait: one that has not answered its control
-        channel for step_timeout_s is hung."""
+        channel for step_timeout_s is hung. So is one that answers but has not reached the
+        group's rendezvous for step_timeout_s while a peer has waited there as long (stuck
+        in its own code, or its call never started): the peers wait for it, not the
+        reverse, and would otherwise wait failure.collective_timeout_s."""
         results: dict[int, Any] = {}
         failures: list[Failure] = []
         pending, deadline = list(refs), None
         answered = {rank: time.monotonic() for rank in refs.values()}  # when each last answered
+        # rank -> (before, in or past the rendezvous, since when it was seen there)
+        where = {rank: ("before", time.monotonic()) for rank in refs.values()}
         timeout_s = self.config.failure.step_timeout_s
         while pending and (deadline is None or time.monotonic() < deadline):
             ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
@@ -558,11 +565,22 @@ class RayWorkerGroup:
             for rank, status in zip(waiting, self._ask(waiting, "status", timeout=1.0)):
                 if status is not None:
                     answered[rank] = now
+                    at = {"joining": "in", "joined": "past"}.get(status.forming, "before")
+                    if at != where[rank][0]:
+                        where[rank] = (at, now)
                 elif now - answered[rank] > timeout_s and rank not in {f.rank for f in failures}:
                     failures.append(Failure(rank, "hung", f"did not answer for {timeout_s:g} s "
                                             "(failure.step_timeout_s) while the group re-formed", None,
                                             self.nodes[rank].ip))
                     deadline = deadline or now + grace_s
+            if any(where[r][0] == "in" and now - where[r][1] > timeout_s for r in waiting):
+                for rank in waiting:
+                    if (where[rank][0] == "before" and now - where[rank][1] > timeout_s
+                            and now - answered[rank] < timeout_s and rank not in {f.rank for f in failures}):
+                        failures.append(Failure(rank, "hung", f"did not reach the group's rendezvous for "
+                                                f"{timeout_s:g} s (failure.step_timeout_s) while its peers "
+                                                "waited there", None, self.nodes[rank].ip))
+                        deadline = deadline or now + grace_s
         return results, failures, [refs[ref] for ref in pending]
 
     def _start_spare(self) -> None:

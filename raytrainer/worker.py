@@ -50,6 +50,7 @@ class Worker:
         self.snapshots = PeerSnapshots(self.config.failure.snapshot_every_n_steps)
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
+        self._forming: str | None = None  # while setup or regroup runs (Status.forming)
         self._rows: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -90,7 +91,7 @@ class Worker:
         if self.loop is not None:  # its process group is gone; its loader processes go too
             self.loop.close_inputs()
             self.loop = None
-        with _as_worker_error(self):
+        with _as_worker_error(self), self._forming_group():
             if isinstance(resume, Snapshot) and resume.data is None:
                 resume = self.snapshots.own_snapshot(resume.step)
             if not use_gpu:  # as Ray sets OMP_NUM_THREADS: a spare taking over was made with none
@@ -100,7 +101,9 @@ class Worker:
             device = choose_device(use_gpu)
             self._backend = choose_backend(cfg.scaling.backend, use_gpu)
             task = build_task(cfg.task.target, cfg.task.args)
+            self._forming = "joining"
             init_group(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
+            self._forming = "joined"
             callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
             self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
                              report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(),
@@ -148,11 +151,11 @@ class Worker:
         torch.distributed (a collective in DDP's forward, or in the task's own code)."""
         loop = self.loop
         if loop is None:
-            return Status(0, 0, "setup")
+            return Status(0, 0, "setup", forming=self._forming)
         phase = loop.phase
         if phase != "collective" and _in_collective(sys._current_frames().get(self._run_thread)):
             phase = "collective"
-        return Status(loop.step, loop.progress, phase, loop._after_pending)
+        return Status(loop.step, loop.progress, phase, loop._after_pending, forming=self._forming)
 
     def request_pause(self) -> None:
         """Pause `run` at the next step boundary all ranks agree on."""
@@ -215,15 +218,27 @@ class Worker:
         return the step it will continue after."""
         from .dist import init_group
 
-        with _as_worker_error(self):
+        with _as_worker_error(self), self._forming_group():
             if state is not None:  # first: should the group fail to form, this state is kept
                 self.loop.load_state_dict(_load(state))
+            self._forming = "joining"
             init_group(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
+            self._forming = "joined"
             self.rank = rank
             self.loop.regroup(rank, world_size)
             return self.loop.step
 
     # ------------------------------------------------------------------ helpers
+
+    @contextlib.contextmanager
+    def _forming_group(self):
+        """Mark a setup or regroup call for status(): the driver blames a worker that does
+        not reach the group's rendezvous while its peers wait there."""
+        self._forming = "preparing"
+        try:
+            yield
+        finally:
+            self._forming = None
 
     def _chaos_claim(self, fault: int, step: int) -> bool:
         """Once per run across processes: the first claim of (fault, step) in Ray's KV store."""

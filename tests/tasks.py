@@ -8,12 +8,31 @@ from torch.utils.data import TensorDataset
 from raytrainer import Task
 
 
+def _stall(path):
+    """Like a stuck read: the GIL is free, so the worker still answers the driver."""
+    import os
+    import time
+
+    def named():
+        try:
+            text = open(path).read()
+        except FileNotFoundError:
+            return False
+        listed = str(os.getpid()) in text.lstrip("!").split()
+        return not listed if text.startswith("!") else listed
+
+    while named():
+        time.sleep(0.1)
+
+
 class RegressionTask(Task):
     """A tiny MLP regressing a fixed random linear map; deterministic data on every worker."""
 
     def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
-                 saving_marker=None):
+                 saving_marker=None, stall_pid_file=None):
+        if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
+            _stall(stall_pid_file)
         self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
         self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
         self.no_loss = no_loss

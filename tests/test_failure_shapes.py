@@ -4,6 +4,7 @@ frozen with SIGSTOP, kills and freezes at random moments inside a step, a kill w
 checkpoint is being written. Each run recovers in memory and ends bit-identical to an
 undisturbed one."""
 
+import threading
 import time
 
 import pytest
@@ -137,4 +138,109 @@ def test_the_survivor_giving_its_state_freezes_while_the_group_re_forms(undistur
     # From the other survivor's memory, unless it had to be killed to unblock it (it was
     # left waiting in a collective on the source): then from the start, no checkpoint here.
     assert recovered[0].get("state_from") == "memory" or recovered[0]["from_checkpoint"] is None
+    assert_no_leaks()
+
+
+def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_local, tmp_path):
+    """The group's rendezvous address is asked of rank 0 first: a rank 0 frozen then (or
+    whose process never answers) is a hang like any other, found after step_timeout_s and
+    reported to the controller, not a call the driver waits on for ever."""
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.group import RayWorkerGroup
+
+    group = RayWorkerGroup(load_config(config(tmp_path, "rendezvous")), use_gpu=False, cluster_can_grow=False)
+    frozen = None
+    try:
+        frozen = group.start()[0].pid
+        freeze(frozen)
+        ended = []
+
+        def form():
+            try:
+                group.setup()
+                ended.append(None)
+            except ReformFailed as exc:
+                ended.append(exc)
+
+        thread = threading.Thread(target=form, daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive(), "the driver is still waiting for a frozen rank 0"
+        assert isinstance(ended[0], ReformFailed)
+        assert [(f.rank, f.kind) for f in ended[0].failures] == [(0, "hung")] and ended[0].dead == [0]
+    finally:
+        if frozen is not None:
+            kill(frozen)
+        group.shutdown()
+    assert_no_leaks()
+
+
+def test_a_worker_that_never_reaches_the_rendezvous_is_found_hung_not_waited_for(ray_local, tmp_path):
+    """A worker stuck in its own code while the group forms (here: building the task, like
+    a stuck read) still answers its control channel; its peers wait for it in the
+    rendezvous. It is the one hung, found after step_timeout_s, not a wait of
+    failure.collective_timeout_s (600 s here)."""
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.group import RayWorkerGroup
+
+    stall = tmp_path / "stall-pid"
+    cfg = config(tmp_path, "never-arrives", stall_pid_file=str(stall))
+    cfg["failure"]["collective_timeout_s"] = 600
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    try:
+        stall.write_text(str(group.start()[1].pid))
+        ended = []
+
+        def form():
+            try:
+                group.setup()
+                ended.append(None)
+            except ReformFailed as exc:
+                ended.append(exc)
+
+        thread = threading.Thread(target=form, daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive(), "the driver is still waiting on peers waiting for rank 1"
+        assert isinstance(ended[0], ReformFailed)
+        assert [(f.rank, f.kind) for f in ended[0].failures] == [(1, "hung")]
+        assert "rendezvous" in ended[0].failures[0].cause and 1 in ended[0].dead
+    finally:
+        stall.unlink(missing_ok=True)
+        group.shutdown()
+    assert_no_leaks()
+
+
+def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(ray_local, tmp_path):
+    """The double kill's hang, made deterministic: a re-form fails part-way (a new worker
+    never arrives, so the others' group init times out and they stay, as survivors), and
+    the next re-form joins them with a fresh worker. torch names a process's default group
+    after a counter that a failed init leaves moved: without resetting it the survivors
+    and the fresh worker wait for each other's keys until collective_timeout_s, at every
+    attempt."""
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.group import RayWorkerGroup
+
+    stall = tmp_path / "stall-pids"
+    cfg = config(tmp_path, "failed-re-form", stall_pid_file=str(stall))
+    cfg["failure"].update(step_timeout_s=120, collective_timeout_s=15)
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    try:
+        nodes = group.start()
+        group.setup()
+        kill(nodes[1].pid)
+        stall.write_text("!" + " ".join(str(n.pid) for n in nodes))  # rank 1's replacement stalls
+        with pytest.raises(ReformFailed) as failed:
+            group.reform([1])
+        assert sorted((f.rank, f.kind) for f in failed.value.failures) == [(0, "interrupted"), (2, "interrupted")]
+        assert failed.value.dead == [1]
+        stall.unlink()
+        reformed = group.reform([1])
+        assert reformed.replaced == [1] and [n.pid for n in reformed.nodes][::2] == [nodes[0].pid, nodes[2].pid]
+    finally:
+        stall.unlink(missing_ok=True)
+        group.shutdown()
     assert_no_leaks()
