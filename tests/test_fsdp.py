@@ -90,24 +90,6 @@ def test_a_checkpoint_from_two_workers_resumes_on_another_world_size(fsdp2, tmp_
     assert_no_leaks()
 
 
-def test_without_snapshots_a_killed_fsdp_worker_recovers_from_the_newest_checkpoint(fsdp2, tmp_path):
-    """With failure.snapshot_every_n_steps=0 the lost rank's shards exist nowhere else: the
-    group restarts from the checkpoint of step 3 (written with DCP's async save, committed
-    from its thread) and redoes steps 4-5; the run ends as the undisturbed one did."""
-    chaos = [{"action": "kill", "step": 5, "rank": 1, "at": "random"}]
-    cfg = config(tmp_path, "killed", chaos=chaos, async_save=True)
-    cfg["failure"]["snapshot_every_n_steps"] = 0
-    result = raytrainer.train(cfg, progress=False)
-    manifests = [json.loads((p / "COMMITTED").read_text()) for p in (result.run_dir / "checkpoints").iterdir()]
-    assert sorted(m["step"] for m in manifests) == [3, 6, 8] and {m["format"] for m in manifests} == {"dcp"}
-    recovered = [e for e in result.events if e["event"] == "recovered"]
-    assert len(recovered) == 1 and recovered[0]["from_checkpoint"] == "step-00000003"
-    assert recovered[0]["step"] == 3 and recovered[0]["steps_lost"] in (1, 2)
-    assert_close(weights(result), weights(fsdp2), atol=0)  # the same world size: the same sums
-    assert sorted(losses(result)) == list(range(1, STEPS + 1))
-    assert_no_leaks()
-
-
 # ---------------------------------------------------------------------- peer snapshots
 
 PEER_STEPS = 16
@@ -176,9 +158,11 @@ def test_a_frozen_worker_is_replaced_and_recovered_from_its_peers_snapshot(fsdp3
 
 def test_two_neighbours_killed_together_fall_back_to_the_newest_checkpoint(fsdp3, tmp_path):
     """Ranks 1 and 2 at once: rank 2 held the copy of rank 1's snapshot, so no snapshot of
-    rank 1's state is left; the run restarts from the newest checkpoint and still ends
-    bit-identical."""
-    run = Run(peer_config(tmp_path, "neighbours"))
+    rank 1's state is left; the run restarts from the newest checkpoint (written with DCP's
+    async save, committed from its thread) and still ends bit-identical."""
+    cfg = peer_config(tmp_path, "neighbours")
+    cfg["checkpoint"]["async"] = True
+    run = Run(cfg)
     run.wait_for_step(6)
     pids = run.pids()
     kill(pids[1])
@@ -188,5 +172,7 @@ def test_two_neighbours_killed_together_fall_back_to_the_newest_checkpoint(fsdp3
     assert recovered[-1]["state_from"] == "checkpoint" and recovered[-1]["from_checkpoint"].startswith("step-")
     assert "rank 1" in recovered[-1]["why"]
     assert of(result.events, "resumed")
+    manifests = [json.loads((p / "COMMITTED").read_text()) for p in (result.run_dir / "checkpoints").iterdir()]
+    assert sorted(m["step"] for m in manifests) == [5, 10, 15, 16] and {m["format"] for m in manifests} == {"dcp"}
     assert_same(weights(result), fsdp3)
     assert_no_leaks()
