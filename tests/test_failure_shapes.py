@@ -141,12 +141,33 @@ def test_the_survivor_giving_its_state_freezes_while_the_group_re_forms(undistur
     assert_no_leaks()
 
 
+def form_within(group, timeout_s, stuck):
+    """group.setup() in a thread, which must end within timeout_s (else the test fails with
+    `stuck`) by a ReformFailed: returned."""
+    from raytrainer.contract import ReformFailed
+
+    ended = []
+
+    def form():
+        try:
+            group.setup()
+            ended.append(None)
+        except ReformFailed as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=form, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), stuck
+    assert isinstance(ended[0], ReformFailed)
+    return ended[0]
+
+
 def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_local, tmp_path):
     """The group's rendezvous address is asked of rank 0 first: a rank 0 frozen then (or
     whose process never answers) is a hang like any other, found after step_timeout_s and
     reported to the controller, not a call the driver waits on for ever."""
     from raytrainer.config import load_config
-    from raytrainer.contract import ReformFailed
     from raytrainer.group import RayWorkerGroup
 
     group = RayWorkerGroup(load_config(config(tmp_path, "rendezvous")), use_gpu=False, cluster_can_grow=False)
@@ -154,21 +175,8 @@ def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_loc
     try:
         frozen = group.start()[0].pid
         freeze(frozen)
-        ended = []
-
-        def form():
-            try:
-                group.setup()
-                ended.append(None)
-            except ReformFailed as exc:
-                ended.append(exc)
-
-        thread = threading.Thread(target=form, daemon=True)
-        thread.start()
-        thread.join(120)
-        assert not thread.is_alive(), "the driver is still waiting for a frozen rank 0"
-        assert isinstance(ended[0], ReformFailed)
-        assert [(f.rank, f.kind) for f in ended[0].failures] == [(0, "hung")] and ended[0].dead == [0]
+        ended = form_within(group, 120, "the driver is still waiting for a frozen rank 0")
+        assert [(f.rank, f.kind) for f in ended.failures] == [(0, "hung")] and ended.dead == [0]
     finally:
         if frozen is not None:
             kill(frozen)
@@ -182,7 +190,6 @@ def test_a_worker_that_never_reaches_the_rendezvous_is_found_hung_not_waited_for
     rendezvous. It is the one hung, found after step_timeout_s, not a wait of
     failure.collective_timeout_s (600 s here)."""
     from raytrainer.config import load_config
-    from raytrainer.contract import ReformFailed
     from raytrainer.group import RayWorkerGroup
 
     stall = tmp_path / "stall-pid"
@@ -191,22 +198,9 @@ def test_a_worker_that_never_reaches_the_rendezvous_is_found_hung_not_waited_for
     group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
     try:
         stall.write_text(str(group.start()[1].pid))
-        ended = []
-
-        def form():
-            try:
-                group.setup()
-                ended.append(None)
-            except ReformFailed as exc:
-                ended.append(exc)
-
-        thread = threading.Thread(target=form, daemon=True)
-        thread.start()
-        thread.join(120)
-        assert not thread.is_alive(), "the driver is still waiting on peers waiting for rank 1"
-        assert isinstance(ended[0], ReformFailed)
-        assert [(f.rank, f.kind) for f in ended[0].failures] == [(1, "hung")]
-        assert "rendezvous" in ended[0].failures[0].cause and 1 in ended[0].dead
+        ended = form_within(group, 120, "the driver is still waiting on peers waiting for rank 1")
+        assert [(f.rank, f.kind) for f in ended.failures] == [(1, "hung")]
+        assert "rendezvous" in ended.failures[0].cause and 1 in ended.dead
     finally:
         stall.unlink(missing_ok=True)
         group.shutdown()
