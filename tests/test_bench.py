@@ -139,7 +139,10 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
             assert figures[key]["met_runs"][1] == 1 and isinstance(figures[key]["target_met"], bool)
     assert figures["faults_bit_identical"]["target_met"] is True
     assert "| final weights of the faulted run against an undisturbed one (bit-identical) | - | - | yes |" in printed
-    assert all(f["status"] == "measured" for f in report["figures"])
+    # Every figure but those of peer snapshots, which need --strategy fsdp.
+    peers = {f.key for f in bench.FIGURES if f.scenario == "peers"}
+    assert all(f["status"] == "measured" for f in report["figures"] if f["key"] not in peers)
+    assert all(figures[k]["reason"] == "not run: --scenarios peers" for k in peers)
     # The printed table has a row per figure; raw DDP, which cannot recover, shows "-" in
     # the kill rows.
     assert "| worker SIGKILL to first step after recovery (s) | - |" in printed
@@ -230,9 +233,11 @@ def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagg
     (peers,) = [r for r in report["runs"] if r["scenario"] == "peers"]
     assert peers["peers_run"]["recovered_event"]["state_from"] == "peers"
     assert peers["checkpoint_run"]["recovered_event"]["from_checkpoint"].startswith("step-")
-    # The kill as step 15 starts (or just after it ends): back to the snapshot of step 10
-    # (every 10, the default), and to the checkpoint of step 10 (every 10).
-    assert {peers["peers_steps_replayed"], peers["checkpoint_steps_lost"]} <= {spec.kill_step - 11, spec.kill_step - 10}
+    # The kill as step 15 starts (on a busy machine it may land a step or two later): back
+    # to the snapshot of step 10 (every 10, the default), and to the checkpoint of step 10.
+    assert peers["peers_run"]["recovered_event"]["snapshot_step"] == 10
+    assert spec.kill_step - 11 <= peers["peers_steps_replayed"] <= 10
+    assert spec.kill_step - 11 <= peers["checkpoint_steps_lost"] <= 10
     figures = {f["key"]: f for f in report["figures"]}
     assert all(figures[k]["status"] == "measured" for k in ("peers_kill_to_first_step_s", "snapshot_overhead"))
     # Not compared with raw's loss: raytrainer seeds its model's init its own way (its DDP
