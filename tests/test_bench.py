@@ -235,7 +235,6 @@ def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagg
     assert peers["checkpoint_run"]["recovered_event"]["from_checkpoint"].startswith("step-")
     # The kill as step 15 starts (on a busy machine it may land a step or two later): back
     # to the snapshot of step 10 (every 10, the default), and to the checkpoint of step 10.
-    assert peers["peers_run"]["recovered_event"]["snapshot_step"] == 10
     assert spec.kill_step - 11 <= peers["peers_steps_replayed"] <= 10
     assert spec.kill_step - 11 <= peers["checkpoint_steps_lost"] <= 10
     figures = {f["key"]: f for f in report["figures"]}
