@@ -112,7 +112,9 @@ def choose_snapshot(world: int, lost: Iterable[int], held: dict[int, Holdings],
     recovery (`secured`: rank -> step). (None, why) when there is none: the run then
     restarts from a checkpoint."""
     lost, secured = set(lost), secured or {}
-    other = next((h for h in held.values() if h.world_size != world), None)
+    # (A worker that never trained in a group, a replacement from an earlier attempt, holds
+    # nothing and says world size 1.)
+    other = next((h for h in held.values() if (h.own or h.peer) and h.world_size != world), None)
     if other is not None:
         return None, f"the snapshots were taken at world size {other.world_size}, not {world}"
     options = {}

@@ -40,7 +40,7 @@ def test_a_rank_lost_with_the_peer_holding_its_copy_leaves_no_snapshot():
 def test_a_copy_secured_in_an_earlier_attempt_serves_and_the_world_size_must_match():
     # Attempt 1 secured rank 1's copy of step 8; rank 1's replacement (fresh, no snapshots
     # of its own) survives, and rank 2 is lost now: 0 survives, 2's copy is on 0.
-    survivors = held(3, own={0: [8], 1: []}, peer={0: [8], 1: []})
+    survivors = {0: Holdings(0, 3, (8,), (8,)), 1: Holdings(0, 1, (), ())}  # 1: fresh, never in a group
     assert choose_snapshot(3, [2], survivors, secured={1: 8}) == (8, "")
     assert choose_snapshot(3, [2], survivors)[0] is None
     step, why = choose_snapshot(3, [1], {0: Holdings(0, 2, (8,), (8,)), 2: Holdings(2, 2, (8,), ())})
