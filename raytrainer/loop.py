@@ -45,12 +45,12 @@ from .callbacks import Callbacks
 from .chaos import Chaos
 from .checkpoint import Checkpoints, Committed
 from .config import ChaosFault, CheckpointConfig, DataConfig, TrainerConfig
+from .contract import Snapshot
 from .data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
 from .errors import ConfigError, TaskError
 from .input import ValInput, build_train_input, dataset_size
 from .saver import CheckpointSaver
-from .contract import Snapshot
 from .schedule import build_lr_schedule
 from .snapshot import PeerSnapshots, check_memory, estimate_bytes, load, ranks_on_this_machine, restore
 from .state import TrainState

@@ -166,7 +166,7 @@ def restore(template: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
     if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
         return type(template)(restore(t, s) for t, s in zip(template, saved))
     if isinstance(template, torch.Tensor) and isinstance(saved, torch.Tensor):
-        local = template.to_local() if hasattr(template, "to_local") else template
+        local = _local(template)
         if local.shape != saved.shape:
             raise ValueError(f"a snapshot tensor of shape {tuple(saved.shape)} does not fit this rank's "
                              f"{tuple(local.shape)}")
@@ -193,7 +193,7 @@ def state_bytes(state: Any) -> int:
     def visit(v: Any) -> None:
         nonlocal total
         if isinstance(v, torch.Tensor):
-            local = v.to_local() if hasattr(v, "to_local") else v
+            local = _local(v)
             total += local.numel() * local.element_size()
         elif isinstance(v, dict):
             for x in v.values():
@@ -251,6 +251,11 @@ def ranks_on_this_machine(group=None) -> int:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _ring_exchange(data: bytes, rank: int, world: int, group) -> torch.Tensor:

@@ -203,7 +203,10 @@ class FailingGroup(FakeGroup):
         self.calls.append(("kill", rank))
 
     def reform(self, dead):
-        self.calls.append(("reform", tuple(dead)))
+        return self._scripted("reform", dead)
+
+    def _scripted(self, call, dead):
+        self.calls.append((call, tuple(dead)))
         item = self.reforms.pop(0)
         if isinstance(item, BaseException):
             raise item
@@ -306,11 +309,7 @@ class ShardedGroup(FailingGroup):
         return Formed(NODES, total_steps=3, replicated=False)
 
     def reform_from_peers(self, dead):
-        self.calls.append(("reform_from_peers", tuple(dead)))
-        item = self.reforms.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self._scripted("reform_from_peers", dead)
 
 
 def test_sharded_state_recovers_from_peer_snapshots_and_replays_the_steps_since(tmp_path):
