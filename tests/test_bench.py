@@ -72,7 +72,13 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     grows = [r for r in report["runs"] if r.get("scenario") == "grow"]
     inputs = {r["contender"]: r for r in report["runs"] if r.get("scenario") == "input"}
     faults = [r for r in report["runs"] if r.get("scenario") == "faults"]
-    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 10
+    assert sorted(runs) == sorted(bench.CONTENDERS) and len(report["runs"]) == 11
+    assert runs["raytrainer"]["ray_address"] == "local"  # it started its own Ray
+    # The join run connected to the Ray the bench had started (a Ray address, which fails
+    # rather than start one), and its start is set against raw DDP's own.
+    (joined,) = [r for r in report["runs"] if r.get("scenario") == "join"]
+    assert joined["ray_address"] not in (None, "local", "auto") and len(joined["step_times"]) == smoke.steps
+    assert joined["launched"] < joined["phases"]["contender_main"] < joined["step_times"][0]
     for name, run in runs.items():
         assert len(run["step_times"]) == smoke.steps_for(name), name
         assert run["step_times"] == sorted(run["step_times"])
@@ -87,6 +93,9 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
         assert set(fig["medians"]) == set(bench.CONTENDERS) and all(v > 0 for v in fig["medians"].values())
         assert fig["ratios"]["raytrainer/raw"] == pytest.approx(fig["medians"]["raytrainer"] / fig["medians"]["raw"])
         assert fig["ratios"]["raytrainer/ray_train"] > 0 and isinstance(fig["target_met"], bool)
+    fig = figures["start_joined_s"]
+    assert fig["medians"] == {"raw": start_to_first_step(runs["raw"]), "raytrainer": start_to_first_step(joined, "join")}
+    assert fig["ratios"]["raytrainer/raw"] == pytest.approx(fig["medians"]["raytrainer"] / fig["medians"]["raw"])
     # A checkpoint of the model and optimizer state (3 x 4 MB) was written, sync and async.
     assert len(stall) == 1 and stall[0]["checkpoint_bytes"] > 12 * 2**20
     for key in ("checkpoint_stall_sync_s", "checkpoint_stall_async_s"):
@@ -259,6 +268,13 @@ def test_figures_from_timestamps():
     assert start["ratios"] == {"raytrainer/raw": pytest.approx(5 / 3), "raytrainer/ray_train": 1.25}
     assert start["target_met"] is False  # 1.67x raw misses <= 1.5x
     assert figures["steps_per_s"]["target_met"] is True
+    # Joining a running Ray: raytrainer's join run against raw DDP's train run; a join run
+    # counts for no other figure.
+    joined = dict(run, scenario="join", launched=101.0)
+    figures = {f["key"]: f for f in bench.summarize(runs + [joined])}
+    assert figures["start_joined_s"]["medians"] == {"raw": 3.0, "raytrainer": 2.0}
+    assert figures["start_joined_s"]["target_met"] is True  # 0.67x raw
+    assert figures["start_to_first_step_s"]["medians"] == start["medians"]
     # Kill runs count only for the kill figures, and the kill targets read the medians.
     kills = [{"contender": "ray_train", "scenario": "kill", "kill_to_first_step_s": 20.0, "steps_lost": 25},
              {"contender": "raytrainer", "scenario": "kill", "kill_to_first_step_s": 3.0, "steps_lost": 0}]

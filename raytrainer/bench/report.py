@@ -37,8 +37,15 @@ def _train_run(run: dict[str, Any]) -> bool:
     return "step_times" in run and run.get("scenario", "train") == "train"
 
 
-def start_to_first_step(run: dict[str, Any]) -> float | None:
-    return run["step_times"][0] - run["launched"] if _train_run(run) else None
+def start_to_first_step(run: dict[str, Any], scenario: str = "train") -> float | None:
+    """From launching the contender's process to its first finished step: a train run's,
+    or a join run's (raytrainer joining a running Ray)."""
+    return run["step_times"][0] - run["launched"] if run.get("scenario", "train") == scenario else None
+
+
+def _joined_start(run: dict[str, Any]) -> float | None:
+    """raytrainer's start joining a running Ray, against raw DDP's own start (it has no Ray)."""
+    return start_to_first_step(run, "train" if run["contender"] == "raw" else "join")
 
 
 def steady_steps_per_s(run: dict[str, Any]) -> float | None:
@@ -85,6 +92,9 @@ FIGURES = (
     Figure("start_to_first_step_s", "process start to first finished step", "s", "lower",
            CONTENDERS, start_to_first_step, target="<= 1.5x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] <= 1.5),
+    Figure("start_joined_s", "the same, raytrainer joining a Ray already running", "s", "lower",
+           ("raw", "raytrainer"), _joined_start, target="<= 1.1x raw DDP",
+           target_check=lambda m, r: r["raytrainer/raw"] <= 1.1, scenario="join"),
     Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
            "higher", CONTENDERS, steady_steps_per_s, target=">= 0.95x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] >= 0.95),
@@ -151,7 +161,7 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) ->
                   for c in fig.contenders}
         medians = {c: statistics.median(v) for c, v in values.items() if v}
         ratios = {f"raytrainer/{c}": medians["raytrainer"] / medians[c]
-                  for c in fig.contenders if c != "raytrainer" and medians.get(c)}
+                  for c in fig.contenders if c != "raytrainer" and medians.get(c) and "raytrainer" in medians}
         try:
             met = fig.target_check(medians, ratios) if fig.target_check else None
         except KeyError:  # a contender is missing (or its median is 0 and has no ratio)
@@ -174,6 +184,11 @@ def notes(spec: BenchSpec) -> list[str]:
             "Strategy fsdp: raw FSDP2 (torch.multiprocessing, fully_shard on each Linear and on the root, "
             "Gloo) against raytrainer with trainer.strategy: fsdp, the same job; Ray Train is not run. "
             "The raw column and the ratios to raw are raw FSDP2's.")
+    if "join" in spec.scenario_list:
+        out.append(
+            "Join runs: raytrainer's train run in a fresh process with RAY_ADDRESS naming a Ray head "
+            f"({spec.workers + 1} CPUs, no dashboard) that the bench started before the runs (as `ray start "
+            "--head` would leave one) and stops after them; raw DDP's column is its train runs' start.")
     if "kill" in spec.scenario_list:
         out.append(
             f"Kill runs: {spec.kill_steps} steps each; the last rank is SIGKILLed from outside (os.kill "

@@ -49,8 +49,10 @@ def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None
                    failure: dict[str, Any] | None = None) -> dict[str, Any]:
     from ..api import train
 
-    return outcome(train(config(spec, work, "bench", spec["steps"], data=data or {}, failure=failure or {}),
-                         progress=False))
+    out = outcome(train(config(spec, work, "bench", spec["steps"], data=data or {}, failure=failure or {}),
+                        progress=False))
+    # "local": it started a Ray of its own; an address: it joined that Ray (or failed to start).
+    return {**out, "ray_address": os.environ.get("RAY_ADDRESS")}
 
 
 def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:

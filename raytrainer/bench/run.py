@@ -17,7 +17,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .faults import FAULTS, faults_raytrainer
 from .raw import input_raw, run_raw
@@ -30,6 +30,7 @@ from .spec import CONTENDERS, PACKAGE_ROOT, BenchError, BenchSpec
 Runner = Callable[[dict[str, Any], Path], dict[str, Any]]
 RUNNERS: dict[str, dict[str, Runner]] = {
     "train": {"raw": run_raw, "ray_train": run_ray_train, "raytrainer": run_raytrainer},
+    "join": {"raytrainer": run_raytrainer},  # launched with RAY_ADDRESS: the bench's running Ray
     "kill": {"ray_train": kill_ray_train, "raytrainer": kill_raytrainer},
     "grow": {"raytrainer": grow_raytrainer},
     "input": {"raw": input_raw, "raytrainer": input_raytrainer},
@@ -54,9 +55,10 @@ def contender_main(name: str, spec_json: str, result_path: str) -> int:
 
 
 def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train",
-           cancel: threading.Event | None = None) -> dict[str, Any]:
+           cancel: threading.Event | None = None, ray_address: str = "local") -> dict[str, Any]:
     """Run one contender in a fresh process; return its result with the launch time. It is
-    stopped past spec.timeout_s, or once `cancel` is set (another run of the bench failed)."""
+    stopped past spec.timeout_s, or once `cancel` is set (another run of the bench failed).
+    `ray_address`: the Ray it joins; by default it starts one of its own."""
     result_path = tmp / (f"{name}-{rep}" if scenario == "train" else f"{name}-{scenario}-{rep}") / "result.json"
     result_path.parent.mkdir(parents=True)
     log_path = result_path.parent / "log.txt"
@@ -65,8 +67,9 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Each contender starts a Ray of its own (what the start-up figure measures), never one
-    # it finds running on the machine; the grow scenario names its cluster's address.
-    env["RAY_ADDRESS"] = "local"
+    # it finds running on the machine, unless it is to join the bench's (the join scenario);
+    # the grow scenario names its cluster's address.
+    env["RAY_ADDRESS"] = ray_address
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
            json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
     # Other work on the machine skews every figure: keep the load next to each run.
@@ -137,7 +140,7 @@ def machine() -> dict[str, Any]:
             "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1 (default)")}
 
 
-RUN_ORDER = ("train", "kill", "grow", "input", "faults", "peers")
+RUN_ORDER = ("train", "join", "kill", "grow", "input", "faults", "peers")
 """The order the scenarios with contender processes run in, in each repetition; the
 checkpoint stall is measured after them, in this process."""
 
@@ -150,6 +153,7 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
     label = spec.labels[name]
     return {
         "train": label,
+        "join": f"{label}, joining a running Ray",
         "kill": f"{label}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
         "grow": f"{label}, a node joins, {spec.workers} -> {spec.workers + 1} workers",
         "input": f"{label}, a slow dataset, {spec.input_workers} loader processes per rank",
@@ -163,6 +167,8 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
 def _outcome(scenario: str, run: dict[str, Any]) -> list[str]:
     if scenario == "train":
         return [f"first step after {start_to_first_step(run):.2f} s, {steady_steps_per_s(run):.1f} steps/s"]
+    if scenario == "join":
+        return [f"first step after {start_to_first_step(run, 'join'):.2f} s"]
     if scenario == "kill":
         return [f"step {run['step_at_kill']} reached, resumed from {run['resumed_from']}, "
                 f"first step {run['kill_to_first_step_s']:.2f} s after the kill"]
@@ -191,7 +197,8 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
     scenarios = spec.scenario_list
     cancel = threading.Event()  # set on the way out: contender runs still going stop
     with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
-          else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp:
+          else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp, \
+            running_ray(spec.workers + 1, "join" in scenarios) as address:
         runs = []
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
@@ -200,7 +207,8 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
 
             def one(scenario: str, name: str) -> dict[str, Any]:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
-                run = launch(name, spec, rep, Path(tmp), scenario=scenario, cancel=cancel)
+                run = launch(name, spec, rep, Path(tmp), scenario=scenario, cancel=cancel,
+                             **({"ray_address": address} if scenario == "join" else {}))
                 for line in _outcome(scenario, run):
                     log(f"bench:   {line}")
                 if keep_in is None:  # about to be deleted
@@ -232,6 +240,22 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
     if out is not None:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+@contextlib.contextmanager
+def running_ray(num_cpus: int, needed: bool) -> Iterator[str | None]:
+    """A Ray head on this machine for the join runs to connect to (as `ray start --head`
+    would leave one), started before them and stopped after; None if not `needed`."""
+    if not needed:
+        yield None
+        return
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
 
 
 def _in_parallel(one: Callable[..., dict[str, Any]], plan: list[tuple[str, str]], workers: int,

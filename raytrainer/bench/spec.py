@@ -12,7 +12,7 @@ CONTENDERS = ("raw", "ray_train", "raytrainer")
 LABELS = {"raw": "raw DDP", "ray_train": "Ray Train", "raytrainer": "raytrainer"}
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 """The folder that holds this raytrainer package: contenders' workers import it from there."""
-SCENARIOS = ("train", "kill", "stall", "grow", "input", "faults", "peers")
+SCENARIOS = ("train", "join", "kill", "stall", "grow", "input", "faults", "peers")
 FSDP_SCENARIOS = ("train", "peers")
 """What --strategy fsdp measures: the train scenario against raw FSDP2, and recovery from
 peer snapshots against recovery from a checkpoint (sharded state only)."""
@@ -75,8 +75,9 @@ class BenchSpec:
     before the next fault."""
     faults_step_timeout_s: float = 3.0
     """failure.step_timeout_s of the faults runs: how long a frozen worker goes unnoticed."""
-    scenarios: str = "train,kill,stall,grow,input,faults"
-    """Which measurements to run: train (start-up, steps/s), kill (worker SIGKILL),
+    scenarios: str = "train,join,kill,stall,grow,input,faults"
+    """Which measurements to run: train (start-up, steps/s), join (raytrainer's start-up
+    joining a Ray already running on the machine), kill (worker SIGKILL),
     stall (checkpoint stall), grow (elastic grow by one worker), input (a slow dataset
     through loader processes), faults (five faults in one run, against an undisturbed
     one), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,
