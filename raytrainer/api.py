@@ -56,16 +56,36 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
 
     connected_here = not ray.is_initialized()
     if connected_here:
-        # Like ray.init(): RAY_ADDRESS or --address name a cluster; otherwise a Ray started
-        # on this machine with `ray start` is joined, else a local one is started for the run.
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                 logging_level="WARNING")
+        init_ray(address)
     try:
         return _run(config, storage, run_dir, resume, progress=progress,
                     cluster_can_grow=not _started_local_ray(), callbacks=list(callbacks))
     finally:
         if connected_here:
             ray.shutdown()
+
+
+def init_ray(address: str | None = None, **options: Any) -> None:
+    """Connect as ray.init() does: `address` or RAY_ADDRESS name a cluster; otherwise a Ray
+    started on this machine with `ray start` is joined, else a local one is started.
+
+    A local Ray started here runs its workers at nice 0, not Ray's default 15: it exists
+    for this run's workers, and at nice 15 every other process on a busy machine (the
+    driver, Ray's own daemons, anything else) takes their cores first, and a step waits
+    for its slowest rank. RAY_worker_niceness, if set, still decides; a cluster started
+    with `ray start` keeps whatever it was started with."""
+    import ray
+
+    key = "RAY_worker_niceness"
+    unset = key not in os.environ
+    if unset:
+        os.environ[key] = "0"  # read by the raylet this starts, and by the workers it forks
+    try:
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
+                 logging_level="WARNING", **options)
+    finally:
+        if unset:
+            os.environ.pop(key, None)
 
 
 def _local_mirror(storage: Storage, name: str) -> Path:

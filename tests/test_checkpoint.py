@@ -186,6 +186,9 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
             break
         assert driver.poll() is None, driver.stderr.read()
         time.sleep(0.1)
+    # The local Ray it started runs its workers at nice 0, not Ray's 15 (api.init_ray).
+    (pids,) = [json.loads(line)["pids"] for line in lines if '"group_formed"' in line]
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0, 0]
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run

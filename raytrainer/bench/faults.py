@@ -95,7 +95,7 @@ def faults_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     import ray
     import torch
 
-    from ..api import train
+    from ..api import init_ray, train
 
     plan = fault_plan(spec)
     chaos = [{"action": f["fault"], "step": f["step"], "rank": f["ranks"][0], "at": "random"}
@@ -109,7 +109,7 @@ def faults_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             loads.append((time.time(), os.getloadavg()[0]))
 
     threading.Thread(target=sample, daemon=True, name="bench-load").start()
-    ray.init(num_cpus=spec["faults_workers"], include_dashboard=False, logging_level="WARNING")
+    init_ray(num_cpus=spec["faults_workers"])  # as raytrainer.train would, with a CPU per worker
     try:
         base = train(_faults_config(spec, work, "bench-undisturbed", []), progress=False)
         run_dir = work / "bench-faults"

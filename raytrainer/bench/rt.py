@@ -61,7 +61,9 @@ def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     on one local Ray (started as raytrainer.train would): the figures are steady-state rates."""
     import ray
 
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    from ..api import init_ray
+
+    init_ray()  # as raytrainer.train would
     try:
         none = run_raytrainer({**spec, "steps": spec["input_steps_no_loaders"]}, work / "no-loaders",
                               {"num_workers": 0})
@@ -110,9 +112,10 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     (snapshots off), then the train run with snapshots and without, for their cost."""
     import ray
 
+    from ..api import init_ray
     from ..config import FailureConfig
 
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    init_ray()  # as raytrainer.train would
     try:
         peers = kill_raytrainer(spec, work / "peers")
         checkpoint = kill_raytrainer(spec, work / "checkpoint", failure={"snapshot_every_n_steps": 0})
