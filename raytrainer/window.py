@@ -80,29 +80,29 @@ class MetricsWindow:
             window, self._window = self._window, []
             if window[0][2] is not None:  # reduced already, in the steps' gradient all-reduce
                 ready = window
-            else:
-                values = torch.stack([v for _, v, _ in window])
-                flag = torch.full((len(window), 1), float(pause_requested), device=values.device)
-                values = torch.cat([values, flag], dim=1)
+            else:  # the pause flag as one more column
+                values = torch.nn.functional.pad(torch.stack([v for _, v, _ in window]), (0, 1),
+                                                 value=float(pause_requested))
                 self._pending.append((all_reduce_sum(values, async_op=True), values, window))
+        # Each reduced window comes to the host in one copy (a sync on a GPU), its means
+        # computed on the device as before; the flags are read from that copy.
         while self._pending and (wait or ready is not None or len(self._pending) > 1):
             work, values, window = self._pending.pop(0)
             if work is not None:
                 with self._waiting():
                     work.wait()
-            agreed |= bool(values[-1, -1] > 0)
-            self._report(keys, window, values[:, :-1] / world_size)
+            means = (values / world_size).tolist()
+            agreed |= means[-1][-1] > 0
+            self._report(keys, window, [m[:-1] for m in means])
         if ready is not None:
-            sums = torch.stack([c for _, _, c in ready])
-            means = sums[:, :-1] / world_size
-            if ready[0][1] is not None:
-                means = torch.cat([means, torch.stack([v for _, v, _ in ready])], dim=1)
-            agreed |= bool(sums[:, -1].max() > 0)
-            self._report(keys, ready, means)
+            means = (torch.stack([c for _, _, c in ready]) / world_size).tolist()
+            agreed |= any(m[-1] > 0 for m in means)
+            same = torch.stack([v for _, v, _ in ready]).tolist() if ready[0][1] is not None else None
+            self._report(keys, ready, [m[:-1] + same[i] if same else m[:-1] for i, m in enumerate(means)])
         return agreed
 
-    def _report(self, keys: list[str], window: list, means: torch.Tensor) -> None:
-        rows = [{**info, **dict(zip(keys, v))} for (info, _, _), v in zip(window, means.tolist())]
+    def _report(self, keys: list[str], window: list, means: list[list[float]]) -> None:
+        rows = [{**info, **dict(zip(keys, v))} for (info, _, _), v in zip(window, means)]
         self.latest.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
         self.report(rows)
 
