@@ -120,8 +120,7 @@ class RayWorkerGroup:
             self.slots += [(pg, 0) for pg, ref in zip(extras, refs) if ref in ready]
         self.actors = [self._actor(slot) for slot in self.slots]
         self.nodes = _gather([a.node.remote() for a in self.actors])
-        self._start_spare()
-        return self.nodes
+        return self.nodes  # the warm spare starts once training runs (poll)
 
     def _actor(self, slot: tuple[Any, int], spare: bool = False) -> Any:
         extra = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
@@ -162,6 +161,10 @@ class RayWorkerGroup:
         """Wait up to `timeout` for any worker's run() to end; collect new metric rows, and
         how each run() that ended did, if not by finishing."""
         ready, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
+        # The warm spare, started here rather than with the workers: a process importing
+        # torch beside workers that build their task and take their first step, on the
+        # same cores, delays that step.
+        self._start_spare()
         if ready and self._pending:  # whatever else has ended too, without waiting
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
