@@ -2,6 +2,7 @@
 survivors and ends with the same weights as an undisturbed run."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from raytrainer.policy import (Failure, FailurePolicy, FailuresExceeded, blame, 
                                choose_state, keep_waiting_for_placement)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
+from .faults import kill
 
 
 def config(tmp_path, name, chaos=(), workers=2, **failure):
@@ -72,6 +74,41 @@ def test_kills_with_loader_processes_end_bit_identical_and_leave_none_behind(und
     assert [r["step"] for r in events(result, "recovered")] == [5, 11]
     assert_no_leaks()
     assert_no_loader_processes()
+
+
+def test_the_warm_spare_starts_once_training_runs_and_takes_a_lost_workers_place(ray_local, tmp_path):
+    """No spare while the workers build their task and take their first step (it would
+    import torch on their cores); one once training runs; a lost worker's place goes to
+    it, not to a cold start."""
+    from raytrainer.config import load_config
+    from raytrainer.group import RayWorkerGroup
+
+    cfg = config(tmp_path, "spare")
+    cfg["trainer"]["max_steps"] = 10**6
+    cfg["task"]["args"]["sleep_s"] = 0.02
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    try:
+        nodes = group.start()
+        group.setup()
+        assert group._spare is None
+        group.launch()
+        group.poll(0.1)
+        spare = group._spare
+        assert spare is not None
+        import ray
+
+        # node() is answered once the spare is up (torch imported): a process of its own
+        assert ray.get(spare.node.remote(), timeout=120).pid not in [n.pid for n in nodes]
+        kill(nodes[1].pid)
+        failed, deadline = [], time.monotonic() + 60
+        while len(failed) < 2 and time.monotonic() < deadline:  # rank 1 died, rank 0 interrupted
+            failed += group.poll(0.5).failures
+        assert sorted(f.rank for f in failed) == [0, 1]
+        reformed = group.reform([1])
+        assert reformed.replaced == [1] and group.actors[1] is spare
+    finally:
+        group.shutdown()
+    assert_no_leaks()
 
 
 def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, tmp_path):
