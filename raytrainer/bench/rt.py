@@ -110,7 +110,8 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     handled, rec = failed[0]["time"], recovered[0]
     out = kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
-    out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0])
+    out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0],
+               contender_settings=settings(cfg))
     return out
 
 
