@@ -4,6 +4,7 @@ and nothing the bench started is left running."""
 import argparse
 import json
 import os
+import statistics
 import time
 import uuid
 from dataclasses import asdict, fields
@@ -15,7 +16,8 @@ from raytrainer import bench
 from raytrainer.bench import rt
 from raytrainer.bench.faults import recoveries
 from raytrainer.bench.raw import run_raw
-from raytrainer.bench.report import input_steps_per_s, start_to_first_step, steady_steps_per_s
+from raytrainer.bench.report import input_steps_per_s, settings_lines, start_to_first_step, steady_steps_per_s
+from raytrainer.bench.rt import save_stalls, stall_hidden
 from raytrainer.bench.run import _in_parallel, launch
 from raytrainer.cli import main
 from raytrainer.errors import ConfigError
@@ -83,7 +85,19 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
         assert len(run["step_times"]) == smoke.steps_for(name), name
         assert run["step_times"] == sorted(run["step_times"])
         assert run["launched"] < run["phases"]["contender_main"] < run["step_times"][0]
-    assert runs["raw"]["threads"] == runs["ray_train"]["threads"] == 1  # the same job everywhere
+    assert runs["raw"]["threads"] == runs["ray_train"]["threads"] == runs["raytrainer"]["threads"] == 1
+    # Every contender's rank 0 took a thread snapshot mid-run, and the report says what each ran with.
+    for name, run in runs.items():
+        snapshot = run["worker_threads"]
+        assert snapshot["torch_intra_op"] == 1 and snapshot["process_threads"] >= 1, name
+        assert report["contender_settings"][name]["train"] == {"settings": run["contender_settings"],
+                                                               "worker_threads": [snapshot]}
+    assert runs["ray_train"]["contender_settings"]["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == smoke.ray_train_poll_s
+    assert runs["raytrainer"]["contender_settings"]["trainer"]["log_every_n_steps"] == 1
+    settings = settings_lines(report)
+    assert settings[0] == "| rank 0 at steady state (train runs) | raw DDP | Ray Train | raytrainer |"
+    assert "| torch intra-op threads | 1 | 1 | 1 |" in settings
+    assert any(line.startswith("Ray Train ran with: RAY_TRAIN_HEALTH_CHECK_INTERVAL_S ") for line in settings)
 
     figures = {f["key"]: f for f in report["figures"]}
     assert list(figures) == [f.key for f in bench.FIGURES]
@@ -96,10 +110,26 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     fig = figures["start_joined_s"]
     assert fig["medians"] == {"raw": start_to_first_step(runs["raw"]), "raytrainer": start_to_first_step(joined, "join")}
     assert fig["ratios"]["raytrainer/raw"] == pytest.approx(fig["medians"]["raytrainer"] / fig["medians"]["raw"])
-    # A checkpoint of the model and optimizer state (3 x 4 MB) was written, sync and async.
-    assert len(stall) == 1 and stall[0]["checkpoint_bytes"] > 12 * 2**20
-    for key in ("checkpoint_stall_sync_s", "checkpoint_stall_async_s"):
-        assert figures[key]["status"] == "measured" and figures[key]["medians"]["raytrainer"] > 0
+    # Two training runs of a 4 MB model with Adam (checkpoints of 3 x 4 MB) saved every 10
+    # steps, sync then async; each stall figure comes from rank 0's steps around the saves.
+    (stall,) = stall
+    assert stall["contender"] == "raytrainer" and stall["checkpoint_bytes"] > 11 * 2**20
+    every = smoke.stall_checkpoint_every
+    for mode in ("sync", "async"):
+        times = stall[f"{mode}_step_times"]
+        saves = [s for s in stall["saves"] if s["mode"] == mode]
+        # Saves at 10, 20 and 30 (not 40, the last step); on a busy machine the last async
+        # saves may commit only after the last step, and count for nothing.
+        steps = [s["step"] for s in saves]
+        assert len(times) == smoke.stall_steps and steps == list(range(every, smoke.stall_steps, every))[:len(steps)]
+        for save in saves:
+            k, w = save["step"], save["window_steps"]
+            assert w >= 1 and save["stall_s"] == pytest.approx(
+                times[k + w - 1] - times[k - 1] - w * stall[f"ordinary_step_{mode}_s"])
+        assert figures[f"checkpoint_stall_{mode}_s"]["status"] == "measured"
+        assert figures[f"checkpoint_stall_{mode}_s"]["medians"]["raytrainer"] == stall[f"checkpoint_stall_{mode}_s"]
+        assert stall[f"checkpoint_stall_{mode}_s"] == statistics.median(s["stall_s"] for s in saves)
+    assert stall["contender_settings"]["checkpoint"]["async"] is True
     # One worker of Ray Train and of raytrainer was SIGKILLed from outside mid-run; both
     # went on to the end, and the figures come from what each did after the kill.
     assert sorted(kills) == ["ray_train", "raytrainer"]
@@ -107,6 +137,9 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
         assert run["kill_armed_step"] == smoke.kill_step and run["killed_rank"] == smoke.workers - 1, name
         assert run["step_times"][-1] > run["killed_at"] and run["kill_to_first_step_s"] > 0, name
         assert run["steps_lost"] == run["step_at_kill"] - run["resumed_from"] >= 0, name
+    assert kills["ray_train"]["contender_settings"]["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == smoke.ray_train_poll_s
+    assert kills["raytrainer"]["contender_settings"]["checkpoint"]["every_n_steps"] == smoke.kill_checkpoint_every
+    assert sorted(report["contender_settings"]["ray_train"]) == ["kill", "train"]
     rec = kills["raytrainer"]["recovered_event"]
     assert kills["raytrainer"]["steps_lost"] == rec["steps_lost"] and rec["replaced"] == [smoke.workers - 1]
     for key in ("kill_to_first_step_s", "steps_lost"):
@@ -180,6 +213,10 @@ def test_bad_settings_are_clear_errors(capsys):
         bench.BenchSpec(workers=3)
     with pytest.raises(ConfigError, match="--faults-workers=2 must be >= 3"):
         bench.BenchSpec(faults_workers=2)
+    with pytest.raises(ConfigError, match="--stall-checkpoint-every=40 must be below --stall-steps=40"):
+        bench.BenchSpec(stall_checkpoint_every=40)
+    with pytest.raises(ConfigError, match="--ray-train-poll-s must be > 0"):
+        bench.BenchSpec(ray_train_poll_s=0)
     assert main(["bench", "--steps", "1"]) == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--strategy='zero': choose from ddp, fsdp"):
@@ -328,3 +365,21 @@ def test_fault_figures_from_events():
     printed = bench.format_table(report)
     assert "| - | - | 3 | - | - | <= 3 s (met in 1 of 2 runs) |" in printed
     assert "| - | - | yes | - | - | bit-identical (met in 2 of 2 runs) |" in printed
+
+
+def test_checkpoint_stall_from_the_steps_around_each_save():
+    """A save's stall is the time of the steps from it to the first step that ended after
+    it committed, less as many ordinary steps; the run's last save, with no step after its
+    commit, counts for nothing, and the windows count for no ordinary step."""
+    rows = [(s, float(s)) for s in range(1, 6)]  # 1 s a step
+    rows += [(6, 6.5)] + [(s, s + 0.5) for s in range(7, 11)]  # the sync save after step 5 held step 6
+    rows += [(11, 11.7), (12, 12.9)] + [(s, s + 0.9) for s in range(13, 16)]  # an async writer slowed 11 and 12
+    commits = [(5, 5.45), (10, 12.2), (15, 15.95)]
+    ordinary, saves = save_stalls(rows, commits, warmup_fraction=0.0)
+    assert ordinary == 1.0
+    assert [(s["step"], s["window_steps"]) for s in saves] == [(5, 1), (10, 2)]
+    assert [s["stall_s"] for s in saves] == pytest.approx([0.5, 0.4])
+    assert saves[1]["committed_after_s"] == pytest.approx(1.7)
+    # The stall runs' model: about checkpoint_mb MB of fp32 parameters in a 2-layer MLP.
+    h = stall_hidden(64, 32)
+    assert 0.99 * 64 * 2**20 <= 4 * (h * h + 35 * h + 1) <= 64 * 2**20

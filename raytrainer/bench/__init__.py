@@ -11,6 +11,11 @@ the interpreter, imports, starting Ray, starting the workers, forming the group.
 Each contender records the wall-clock time at the end of every optimizer step on
 rank 0 (raytrainer: the `time` of its metrics.jsonl rows), and every step's
 metrics travel to the driver, so steps/s is measured with that cost included.
+Each contender runs with its best settings for that: Ray Train with a short controller
+poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, --ray-train-poll-s; its default 2 s caps a
+report every step at 0.5 steps/s). Each run records the settings it ran with, and rank 0
+takes a snapshot of its threads mid-run (torch's intra- and inter-op threads, the
+process's threads, its nice value), which the report prints beside the table.
 
 Repetitions are interleaved (raw, Ray Train, raytrainer, then rotated) so a
 slow minute on the machine does not land on one contender. Medians are reported.
@@ -24,6 +29,12 @@ latency (a sleep) and some decoding CPU: raw DDP reads it with DataLoader(num_wo
 and the BatchPlan's micro-batch index lists as its batch_sampler, raytrainer with
 `data.num_workers: k` (the same sampler, see input.py) and, in the same contender
 process before that, with `data.num_workers: 0` (each sample read in the training thread).
+
+The checkpoint-stall figures (scenario "stall") come from two raytrainer training runs
+of a wider model with Adam, checkpointing every few steps, synchronously and with
+checkpoint.async: the extra time of rank 0's steps around each save over ordinary steps
+(see rt.save_stalls), so an async save's writer thread competes for the cores with training
+as it would in a real run.
 
 The faults figures come from one raytrainer run with five faults (three single kills
 and a freeze at random moments of a step, a double kill), each recovery's time and

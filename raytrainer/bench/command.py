@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .report import format_table, recovery_lines
+from .report import format_table, recovery_lines, settings_lines
 from .run import run_bench
 from .spec import FSDP_SCENARIOS, SMOKE, BenchSpec
 
@@ -17,9 +17,13 @@ OPTIONS: dict[str, str | None] = {
     "global_batch_size": None,
     "samples": "training set size",
     "steps": "optimizer steps (raw DDP, raytrainer)",
-    "ray_train_steps": "optimizer steps for Ray Train (its report() paces it at about 0.5 steps/s)",
+    "ray_train_steps": "optimizer steps for Ray Train",
+    "ray_train_poll_s": "Ray Train's controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default 2 s): "
+                        "its report() waits for it",
     "repetitions": None,
-    "checkpoint_mb": "model size for the checkpoint-stall figures",
+    "checkpoint_mb": "model size (MB) of the stall runs",
+    "stall_steps": "optimizer steps of each stall run",
+    "stall_checkpoint_every": "checkpoint cadence of the stall runs",
     "kill_steps": "optimizer steps of the kill runs",
     "kill_step": "the step at which one worker is SIGKILLed in the kill runs",
     "kill_checkpoint_every": "checkpoint (and Ray Train report) cadence in the kill runs",
@@ -71,6 +75,8 @@ def main(args: argparse.Namespace) -> int:
           f"{report['settings']['workers']} CPU workers, Gloo; medians of "
           f"{report['settings']['repetitions']} repetition(s)")
     print(format_table(report))
+    if lines := settings_lines(report):
+        print("\n" + "\n".join(lines))
     for note in report["notes"]:
         print(f"\n{note}")
     for run in (r for r in report["runs"] if r.get("scenario") == "faults"):

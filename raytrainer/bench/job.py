@@ -4,8 +4,11 @@ Torch is imported inside the functions: the CLI imports this package to build it
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from ..task import Task
@@ -34,10 +37,35 @@ def make_data(spec: dict[str, Any]):
     return x, x @ w + 0.1 * torch.randn(spec["samples"], 1, generator=g)
 
 
-def make_optimizer(model):
+def make_optimizer(model, name: str = "sgd"):
+    """SGD with momentum; Adam for the stall runs (a checkpoint three times the model, as
+    most large models are trained)."""
     import torch
 
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def threads_at(steps: int) -> int:
+    """The step at which rank 0 takes its thread snapshot: mid-run, at steady state."""
+    return max(1, steps // 2)
+
+
+def thread_snapshot() -> dict[str, Any]:
+    """What this process computes with, taken by rank 0 at steady state, so a reader can
+    check that every contender's ranks run with the same threads: torch's intra- and
+    inter-op threads, the process's threads (the launcher's, Ray's, Gloo's, the loop's
+    own), its nice value (Ray starts its workers at RAY_worker_niceness, 15 by default)."""
+    import torch
+
+    threads = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    return {"torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
+            "process_threads": threads, "nice": os.nice(0), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def sgd_step(model, optimizer, xb, yb):
@@ -108,7 +136,7 @@ class BenchTask(Task):
         return build_mlp(self.spec)
 
     def build_optimizer(self, model):
-        return make_optimizer(model)
+        return make_optimizer(model, self.spec.get("optimizer", "sgd"))
 
     def train_dataset(self):
         from torch.utils.data import TensorDataset
@@ -126,4 +154,7 @@ class BenchTask(Task):
             arm_kill(self.spec, self._steps, torch.distributed.get_rank())
         if self.spec.get("pace_while") and os.path.exists(self.spec["pace_while"]):
             time.sleep(0.02)
+        if (self.spec.get("threads_file") and self._steps == self.spec["threads_at"]
+                and torch.distributed.get_rank() == 0):
+            Path(self.spec["threads_file"]).write_text(json.dumps(thread_snapshot()))
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}

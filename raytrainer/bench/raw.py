@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .job import SlowSamples, batch_plan, build_mlp, make_data, make_optimizer, rank_batch, sgd_step
+from .job import (SlowSamples, batch_plan, build_mlp, make_data, make_optimizer, rank_batch, sgd_step, thread_snapshot,
+                  threads_at)
 from .spec import BenchError
 
 
@@ -27,7 +28,7 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     procs = mp.start_processes(_raw_worker, args=(spec, str(store), metrics), nprocs=spec["workers"],
                                join=False, start_method="spawn")
     phases["workers_spawned"] = time.time()
-    rows, done = [], False
+    rows, done, snapshot = [], False, None
     try:
         # The driver reads every step's loss as it arrives, as a real launcher's logger would.
         while not done:
@@ -41,6 +42,8 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                 rows.append(item[1:])
             elif item[0] == "phase":
                 phases[item[1]] = item[2]
+            elif item[0] == "threads":
+                snapshot = item[1]
             else:
                 done = True
         try:
@@ -60,7 +63,15 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     if not done:
         raise BenchError(f"raw {spec.get('strategy', 'ddp').upper()} workers exited before finishing")
     return {"step_times": [t for _, _, t in rows], "last_loss": rows[-1][1], "phases": phases,
-            "threads": phases.pop("threads", None)}
+            "threads": phases.pop("threads", None), "worker_threads": snapshot, "contender_settings": settings(spec)}
+
+
+def settings(spec: dict[str, Any]) -> dict[str, Any]:
+    """What raw DDP (FSDP2) runs with, for the report."""
+    return {"launcher": "torch.multiprocessing.start_processes, spawn", "backend": "gloo",
+            "strategy": "FSDP2 (fully_shard on each Linear and the root)" if spec.get("strategy") == "fsdp"
+            else "DistributedDataParallel", "torch.set_num_threads": 1,
+            "metrics": "rank 0's loss.item() on a multiprocessing queue to the launcher every step, not reduced"}
 
 
 def _raw_worker(rank: int, spec: dict[str, Any], store: str, metrics) -> None:
@@ -82,6 +93,8 @@ def _raw_worker(rank: int, spec: dict[str, Any], store: str, metrics) -> None:
             if rank == 0:
                 value = loss.item()
                 metrics.put(("step", step + 1, value, time.time()))
+                if step + 1 == threads_at(spec["steps"]):
+                    metrics.put(("threads", thread_snapshot()))
         if rank == 0:
             metrics.put(("done",))
         dist.barrier()  # no rank tears the group down while another still uses it

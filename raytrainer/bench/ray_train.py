@@ -10,15 +10,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .job import build_mlp, make_data, make_optimizer, rank_batch, sgd_step
+from .job import build_mlp, make_data, make_optimizer, rank_batch, sgd_step, thread_snapshot, threads_at
 from .kill import Killer, arm_kill, kill_figures
 from .spec import BenchError
 
 
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+"""Ray Train v2's controller poll: how often it collects the workers' reports (and health)."""
+
+
 @contextlib.contextmanager
-def _local_ray(phases: dict[str, float]):
+def _local_ray(spec: dict[str, Any], phases: dict[str, float]):
     import ray
 
+    # Read by the controller, which Ray Train gives the driver's value (it propagates it).
+    os.environ[POLL_ENV] = str(spec["ray_train_poll_s"])
     ray.init(include_dashboard=False, logging_level="WARNING")
     phases["ray_started"] = time.time()
     try:
@@ -59,11 +65,20 @@ def run_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
     phases = {"ray_train_imported": time.time()}
     times_file = work / "ray_train_steps.json"
-    with _local_ray(phases):
+    with _local_ray(spec, phases):
         _fit(_ray_train_loop, {"spec": spec, "times_file": str(times_file)}, spec, work, "bench")
     out = json.loads(times_file.read_text())
     out["phases"].update(phases)
+    out["contender_settings"] = settings(spec, "every step, metrics only (no checkpoint), on every rank")
     return out
+
+
+def settings(spec: dict[str, Any], report: str) -> dict[str, Any]:
+    """What Ray Train runs with, for the report."""
+    return {POLL_ENV: spec["ray_train_poll_s"], "ray.train.report": report,
+            "RAY_TRAIN_V2_ENABLED": os.environ.get("RAY_TRAIN_V2_ENABLED", "1 (default)"),
+            "ScalingConfig": f"num_workers={spec['workers']}, use_gpu=False", "backend": "gloo (TorchConfig, CPU)",
+            "model": "ray.train.torch.prepare_model (DistributedDataParallel)"}
 
 
 def _ray_train_loop(config: dict[str, Any]) -> None:
@@ -74,16 +89,18 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     phases = {"loop_started": time.time()}
     rank, world, model, optimizer = _prepare(spec)
     x, y = make_data(spec)
-    times, loss_value = [], None
+    times, loss_value, snapshot = [], None, None
     for step in range(spec["ray_train_steps"]):
         loss = sgd_step(model, optimizer, *rank_batch(spec, x, y, step, rank, world))
         times.append(time.time())
         loss_value = loss.item()
         ray.train.report({"loss": loss_value, "step": step + 1})  # to the driver, every step
+        if rank == 0 and step + 1 == threads_at(spec["ray_train_steps"]):
+            snapshot = thread_snapshot()
     if rank == 0:
         Path(config["times_file"]).write_text(json.dumps(
             {"step_times": times, "last_loss": loss_value, "phases": phases,
-             "threads": torch.get_num_threads()}))
+             "threads": torch.get_num_threads(), "worker_threads": snapshot}))
 
 
 def kill_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -95,7 +112,7 @@ def kill_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     phases = {"ray_train_imported": time.time()}
     marker = work / "kill-marker.json"
     rows_file = work / "ray_train_rows.jsonl"
-    with _local_ray(phases):
+    with _local_ray(spec, phases):
         killer = Killer(marker)
         killer.start()
         try:
@@ -110,7 +127,9 @@ def kill_ray_train(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     if not again:
         raise BenchError("Ray Train did not restart after the kill")
     out = kill_figures(killed, first, again, rows[-1]["resumed_from"])
-    out.update(step_times=[r["time"] for r in rows], last_loss=rows[-1]["loss"], phases=phases)
+    out.update(step_times=[r["time"] for r in rows], last_loss=rows[-1]["loss"], phases=phases,
+               contender_settings=settings(spec, f"at each checkpoint (every {spec['kill_checkpoint_every']} steps), "
+                                                 "FailureConfig(max_failures=1)"))
     return out
 
 

@@ -176,9 +176,48 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) ->
     return out
 
 
+def contender_settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """contender -> scenario -> the settings its runs ran with and rank 0's thread snapshot
+    at steady state in each (see job.thread_snapshot): what a reader checks the comparison by."""
+    out: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        if "contender_settings" in run:
+            entry = out.setdefault(run["contender"], {}).setdefault(
+                run["scenario"], {"settings": run["contender_settings"], "worker_threads": []})
+            if run.get("worker_threads"):
+                entry["worker_threads"].append(run["worker_threads"])
+    return out
+
+
+def settings_lines(report: dict[str, Any]) -> list[str]:
+    """The train runs' threads as a Markdown table, then each contender's settings."""
+    labels = report.get("contenders", LABELS)
+    keys = (("torch_intra_op", "torch intra-op threads"), ("torch_inter_op", "torch inter-op threads"),
+            ("process_threads", "threads in rank 0's process"), ("nice", "nice"),
+            ("omp_num_threads", "OMP_NUM_THREADS"))
+    train = {c: s["train"] for c, s in report.get("contender_settings", {}).items() if "train" in s}
+    if not train:
+        return []
+    lines = ["| rank 0 at steady state (train runs) | " + " | ".join(labels[c] for c in train) + " |",
+             "|" + "---|" * (len(train) + 1)]
+    for key, title in keys:
+        cells = [", ".join(str(t.get(key)) for t in entry["worker_threads"]) or "-" for entry in train.values()]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for c, entry in train.items():
+        lines.append(f"{labels[c]} ran with: " + "; ".join(f"{k} {v}" for k, v in entry["settings"].items()))
+    return lines
+
+
 def notes(spec: BenchSpec) -> list[str]:
     """How the figures were measured, where the table alone cannot say."""
     out = []
+    if "train" in spec.scenario_list and "ray_train" in spec.labels:
+        out.append(
+            f"Ray Train ran with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={spec.ray_train_poll_s:g} (Ray's default is 2 s): "
+            "its ray.train.report() puts each result in a one-slot queue that only the controller's poll "
+            "empties, so reporting every step runs at most one step per poll, and the default caps it at "
+            "0.5 steps/s.")
     if spec.strategy == "fsdp":
         out.append(
             "Strategy fsdp: raw FSDP2 (torch.multiprocessing, fully_shard on each Linear and on the root, "
@@ -194,10 +233,21 @@ def notes(spec: BenchSpec) -> list[str]:
             f"Kill runs: {spec.kill_steps} steps each; the last rank is SIGKILLed from outside (os.kill "
             f"of its pid by the contender's process) as soon as it starts step {spec.kill_step}, so it dies "
             f"mid-step; both contenders checkpoint every {spec.kill_checkpoint_every} steps (Ray Train "
-            "also reports only then, FailureConfig(max_failures=1), restarting its whole group from the "
-            "last checkpoint; raytrainer with its default warm spare). Time: from the kill to the end of "
+            f"also reports only then, its poll {spec.ray_train_poll_s:g} s, FailureConfig(max_failures=1), "
+            "restarting its whole group from the last checkpoint; raytrainer with its default warm spare). "
+            "Time: from the kill to the end of "
             "rank 0's first step after the restart; steps lost: the furthest step rank 0 finished before "
             "the failure minus the step training resumed from. Raw DDP has no recovery.")
+    if "stall" in spec.scenario_list:
+        out.append(
+            f"Stall runs (one local Ray): raytrainer trains a 2-layer MLP of about {spec.checkpoint_mb} MB with Adam "
+            f"(the checkpoint holds three times that), {spec.stall_steps} steps, a checkpoint every "
+            f"{spec.stall_checkpoint_every}, synchronous, then with checkpoint.async. A save after step k holds "
+            "rank 0 before step k+1 (the write; async: the copy of the state), and an async save's writer "
+            "thread then competes with training for the same cores until it commits. Stall: rank 0's time "
+            "from step k to the first step that ended after the commit (the checkpoint manifest's time), less "
+            "as many ordinary steps (the median step outside such windows); the median of the saves but the "
+            "last.")
     if "peers" in spec.scenario_list:
         out.append(
             f"Peers runs (fsdp, one local Ray): the kill scenario's run ({spec.kill_steps} steps, the last rank "

@@ -1,10 +1,11 @@
-"""raytrainer, the contender under test: the train, input, kill and grow runs (the faults
-run is in faults.py), and the checkpoint stall, measured in the bench's own process.
-Every run logs every step's metrics to the driver (log_every_n_steps: 1)."""
+"""raytrainer, the contender under test: the train, input, kill, stall and grow runs (the
+faults run is in faults.py). Every run logs every step's metrics to the driver
+(log_every_n_steps: 1)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .job import TASK_TARGET
+from .job import TASK_TARGET, threads_at
 from .kill import Killer, kill_figures
 from .spec import BenchError, rate
 
@@ -45,12 +46,22 @@ def outcome(result) -> dict[str, Any]:
             "run_dir": str(result.run_dir)}
 
 
+def settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What raytrainer runs with, for the report: its config but the task and run sections."""
+    return {"metrics": "trainer.log_every_n_steps 1: every step's metrics reduced over the ranks, to the driver",
+            **{k: v for k, v in cfg.items() if k not in ("task", "run")}}
+
+
 def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None,
                    failure: dict[str, Any] | None = None) -> dict[str, Any]:
     from ..api import train
 
-    out = outcome(train(config(spec, work, "bench", spec["steps"], data=data or {}, failure=failure or {}),
-                        progress=False))
+    snapshot = work / "threads.json"  # rank 0's thread snapshot, written by the bench task
+    cfg = config(spec, work, "bench", spec["steps"], data=data or {}, failure=failure or {},
+                 task_args={"threads_file": str(snapshot), "threads_at": threads_at(spec["steps"])})
+    out = outcome(train(cfg, progress=False))
+    out["worker_threads"] = json.loads(snapshot.read_text())
+    out.update(threads=out["worker_threads"]["torch_intra_op"], contender_settings=settings(cfg))
     # "local": it started a Ray of its own; an address: it joined that Ray (or failed to start).
     return {**out, "ray_address": os.environ.get("RAY_ADDRESS")}
 
@@ -102,7 +113,8 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     handled, rec = failed[0]["time"], recovered[0]
     out = kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
-    out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0])
+    out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0],
+               contender_settings=settings(cfg))
     return out
 
 
@@ -205,30 +217,77 @@ def grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             "node_added_to_resized_s": events[0]["time"] - added, "resized_event": events[0]}
 
 
-def measure_checkpoint_stall(model_mb: int, work: Path) -> dict[str, Any]:
-    """How long a training step is blocked by one checkpoint of a model of `model_mb` MB
-    with Adam-like optimizer state: the whole write when synchronous, the copy off the
-    device when asynchronous (measured with the previous write finished, as in training)."""
-    import torch
+def stall_hidden(model_mb: int, in_dim: int) -> int:
+    """The hidden width of a 2-layer MLP with about `model_mb` MB of fp32 parameters
+    (h*h + (in_dim + 3)*h + 1 of them)."""
+    n, b = model_mb * 2**20 / 4, in_dim + 3
+    return max(1, int((math.sqrt(b * b + 4 * n) - b) / 2))
 
-    from ..checkpoint import AsyncWriter, Checkpoints, Storage, to_cpu
+
+def stall_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """The checkpoint stall inside training: raytrainer trains a 2-layer MLP of about
+    checkpoint_mb MB with Adam (a checkpoint three times the model), saving every
+    stall_checkpoint_every steps, once synchronously and once with checkpoint.async, on
+    one local Ray. A save's stall is what it costs the steps around it (see save_stalls):
+    the whole write when synchronous; the copy of the state, then the writer thread
+    competing with training for the same cores, when asynchronous."""
+    import ray
+
+    from ..api import train
+    from ..checkpoint import Checkpoints, Storage
     from ..config import CheckpointConfig
 
-    n = model_mb * 2**20 // 4
-    gen = torch.Generator().manual_seed(0)
-    state = {"model": {"w": torch.randn(n, generator=gen)},
-             "optimizer": {"exp_avg": torch.randn(n, generator=gen), "exp_avg_sq": torch.rand(n, generator=gen)}}
-    ckpts = Checkpoints(Storage(str(work)), "stall", CheckpointConfig(keep_last=1))
-    errors: list[BaseException] = []
-    writer = AsyncWriter(ckpts, lambda committed: None, errors.append)
-    t0 = time.perf_counter()
-    ckpts.write(1, state, {})
-    sync = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    writer.submit(2, to_cpu(state), {})
-    stall = time.perf_counter() - t0
-    writer.wait()
-    if errors:
-        raise BenchError(f"the asynchronous checkpoint write failed: {errors[0]}")
-    return {"contender": "raytrainer", "checkpoint_stall_sync_s": sync, "checkpoint_stall_async_s": stall,
-            "checkpoint_bytes": ckpts.committed()[-1].manifest["files"]["state.pt"]["size"]}
+    wide = {**spec, "layers": 2, "hidden": stall_hidden(spec["checkpoint_mb"], spec["in_dim"]), "optimizer": "adam"}
+    every = spec["stall_checkpoint_every"]
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    try:
+        runs = {}
+        for mode in ("sync", "async"):
+            # Every checkpoint kept: its manifest has the time rank 0 committed it (the
+            # driver's event comes later, by as much as a few steps on a busy machine).
+            cfg = config(wide, work / mode, "bench-stall", spec["stall_steps"],
+                         checkpoint={"every_n_steps": every, "async": mode == "async",
+                                     "keep_last": spec["stall_steps"] // every + 1})
+            runs[mode] = (train(cfg, progress=False), cfg)
+    finally:
+        ray.shutdown()
+    out: dict[str, Any] = {"hidden": wide["hidden"], "saves": []}
+    for mode, (result, cfg) in runs.items():
+        rows = [(r["step"], r["time"]) for r in result.history if "loss" in r]
+        ckpts = Checkpoints(Storage(cfg["run"]["storage"]), cfg["run"]["name"], CheckpointConfig())
+        commits = [(c.step, c.manifest["time"]) for c in ckpts.committed()]
+        ordinary, saves = save_stalls(rows, commits, spec["warmup_fraction"])
+        if not saves:
+            raise BenchError(f"no checkpoint inside the {mode} stall run; events: {result.events}")
+        out[f"checkpoint_stall_{mode}_s"] = statistics.median(s["stall_s"] for s in saves)
+        out[f"ordinary_step_{mode}_s"] = ordinary
+        out["saves"] += [{"mode": mode, **s} for s in saves]
+        out[f"{mode}_step_times"] = [t for _, t in rows]
+        out["checkpoint_bytes"] = max(e["bytes"] for e in result.events if e["event"] == "checkpoint_committed")
+    out.update(step_times=out["sync_step_times"], phases=outcome(runs["async"][0])["phases"],
+               contender_settings=settings(runs["async"][1]))
+    return out
+
+
+def save_stalls(rows: list[tuple[int, float]], commits: list[tuple[int, float]],
+                warmup_fraction: float) -> tuple[float, list[dict[str, Any]]]:
+    """(an ordinary step's seconds, one entry per save) from rank 0's (step, end time) and
+    the saves' (step, committed time). A save after step k blocks the training thread
+    before step k+1 (the write, or the copy of the state) and, when asynchronous, its
+    writer thread slows the steps until it commits. Its window: steps k+1 to the first
+    step that ended once the save was committed; its stall: the window's time less as
+    many ordinary steps (the median step outside any window, after the warm-up). A save
+    with no step ending after its commit (the run's last) is left out."""
+    times = dict(rows)
+    last = max(times)
+    windows = []
+    for step, committed in commits:
+        end = next((s for s in range(step + 1, last + 1) if times.get(s, -math.inf) >= committed), None)
+        if step in times and end is not None:
+            windows.append((step, end, committed))
+    inside = {s for k, e, _ in windows for s in range(k + 1, e + 1)}
+    skip = int(len(rows) * warmup_fraction)
+    gaps = [times[s] - times[s - 1] for s in sorted(times)[skip + 1:] if s - 1 in times and s not in inside]
+    ordinary = statistics.median(gaps)
+    return ordinary, [{"step": k, "window_steps": e - k, "committed_after_s": committed - times[k],
+                       "stall_s": times[e] - times[k] - (e - k) * ordinary} for k, e, committed in windows]

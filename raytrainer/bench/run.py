@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterator
 from .faults import FAULTS, faults_raytrainer
 from .raw import input_raw, run_raw
 from .ray_train import kill_ray_train, run_ray_train
-from .report import input_steps_per_s, notes, recovery_lines, start_to_first_step, steady_steps_per_s, summarize
-from .rt import (grow_raytrainer, input_raytrainer, kill_raytrainer, measure_checkpoint_stall, peers_raytrainer,
-                 run_raytrainer)
+from .report import (contender_settings, input_steps_per_s, notes, recovery_lines, start_to_first_step,
+                     steady_steps_per_s, summarize)
+from .rt import grow_raytrainer, input_raytrainer, kill_raytrainer, peers_raytrainer, run_raytrainer, stall_raytrainer
 from .spec import CONTENDERS, PACKAGE_ROOT, BenchError, BenchSpec
 
 Runner = Callable[[dict[str, Any], Path], dict[str, Any]]
@@ -32,6 +32,7 @@ RUNNERS: dict[str, dict[str, Runner]] = {
     "train": {"raw": run_raw, "ray_train": run_ray_train, "raytrainer": run_raytrainer},
     "join": {"raytrainer": run_raytrainer},  # launched with RAY_ADDRESS: the bench's running Ray
     "kill": {"ray_train": kill_ray_train, "raytrainer": kill_raytrainer},
+    "stall": {"raytrainer": stall_raytrainer},
     "grow": {"raytrainer": grow_raytrainer},
     "input": {"raw": input_raw, "raytrainer": input_raytrainer},
     "faults": {"raytrainer": faults_raytrainer},
@@ -140,9 +141,8 @@ def machine() -> dict[str, Any]:
             "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1 (default)")}
 
 
-RUN_ORDER = ("train", "join", "kill", "grow", "input", "faults", "peers")
-"""The order the scenarios with contender processes run in, in each repetition; the
-checkpoint stall is measured after them, in this process."""
+RUN_ORDER = ("train", "join", "kill", "stall", "grow", "input", "faults", "peers")
+"""The order the scenarios run in, in each repetition."""
 
 
 ALONE = ("kill", "faults", "peers")
@@ -155,6 +155,8 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
         "train": label,
         "join": f"{label}, joining a running Ray",
         "kill": f"{label}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
+        "stall": f"{label}, a {spec.checkpoint_mb} MB model, a checkpoint every {spec.stall_checkpoint_every} "
+                 f"of {spec.stall_steps} steps, sync then async",
         "grow": f"{label}, a node joins, {spec.workers} -> {spec.workers + 1} workers",
         "input": f"{label}, a slow dataset, {spec.input_workers} loader processes per rank",
         "faults": f"{label}, {spec.faults_workers} workers, an undisturbed run, then one with "
@@ -172,6 +174,10 @@ def _outcome(scenario: str, run: dict[str, Any]) -> list[str]:
     if scenario == "kill":
         return [f"step {run['step_at_kill']} reached, resumed from {run['resumed_from']}, "
                 f"first step {run['kill_to_first_step_s']:.2f} s after the kill"]
+    if scenario == "stall":
+        return [f"{mode}: a save cost {run[f'checkpoint_stall_{mode}_s']:.3f} s over ordinary steps of "
+                f"{run[f'ordinary_step_{mode}_s']:.3f} s (median of "
+                f"{sum(s['mode'] == mode for s in run['saves'])} saves)" for mode in ("sync", "async")]
     if scenario == "grow":
         return [f"training paused {run['grow_pause_s']:.2f} s, "
                 f"{run['node_added_to_resized_s']:.1f} s after the node was added"]
@@ -222,16 +228,12 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
             together = [p for p in plan if p[0] not in ALONE] if spec.parallel > 1 else []
             done = dict(zip(together, _in_parallel(one, together, spec.parallel, cancel)))
             runs += [done[p] if p in done else one(*p) for p in plan]
-            if "stall" in scenarios:
-                log(f"bench: repetition {rep + 1}/{spec.repetitions}: checkpoint stall, "
-                    f"{spec.checkpoint_mb} MB model ...")
-                runs.append({**measure_checkpoint_stall(spec.checkpoint_mb, Path(tmp) / f"stall-{rep}"),
-                             "scenario": "stall"})
     report = {
         "command": " ".join(["raytrainer bench", *_spec_args(spec)]),
         "machine": machine(),
         "settings": asdict(spec),
         "contenders": spec.labels,
+        "contender_settings": contender_settings(runs),
         "figures": summarize(runs, scenarios),
         "notes": notes(spec),
         "runs": runs,

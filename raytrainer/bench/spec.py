@@ -35,9 +35,13 @@ class BenchSpec:
     samples: int = 4096
     steps: int = 300
     """Optimizer steps for raw DDP and raytrainer."""
-    ray_train_steps: int = 20
-    """Ray Train's report() waits for its controller's 2 s poll, so it manages about
-    0.5 steps/s; 300 steps would take 10 minutes per repetition for the same rate."""
+    ray_train_steps: int = 300
+    """Optimizer steps for Ray Train (20 while it ran with its default 2 s poll, at 0.5 steps/s)."""
+    ray_train_poll_s: float = 0.01
+    """Ray Train's controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default 2 s).
+    Each ray.train.report() puts its result in a one-slot queue that only the controller's
+    poll empties, so a report every step runs at most one step per poll: a short poll is
+    Ray Train's best setting for per-step metrics."""
     repetitions: int = 3
     warmup_fraction: float = 0.1
     """Leading share of the steps left out of steps/s (allocator, caches, first collectives)."""
@@ -45,7 +49,12 @@ class BenchSpec:
     """Per contender run; a run past it is killed and the bench fails."""
     seed: int = 0
     checkpoint_mb: int = 64
-    """Model size for the checkpoint-stall figures (optimizer state adds twice as much)."""
+    """Model size of the stall runs (a 2-layer MLP that wide, trained with Adam, whose
+    state adds twice as much to each checkpoint)."""
+    stall_steps: int = 40
+    """Optimizer steps of each stall run (one with synchronous checkpoints, one async)."""
+    stall_checkpoint_every: int = 10
+    """The stall runs save every this many steps: each save but the last has steps after it."""
     kill_steps: int = 400
     """Optimizer steps of the kill runs (Ray Train and raytrainer alike)."""
     kill_step: int = 325
@@ -53,7 +62,7 @@ class BenchSpec:
     (raytrainer's warm spare has imported torch), and mid-way between two checkpoints."""
     kill_checkpoint_every: int = 50
     """Both contenders checkpoint every this many steps in the kill runs (Ray Train also
-    reports only then: its report() costs about 2 s)."""
+    reports only then: the least it can report and still checkpoint)."""
     grow_steps: int = 2000
     """Optimizer steps of the grow run; paced at 20 ms a step or more until the group has
     grown (adding a node takes seconds), then free."""
@@ -77,8 +86,8 @@ class BenchSpec:
     """failure.step_timeout_s of the faults runs: how long a frozen worker goes unnoticed."""
     scenarios: str = "train,join,kill,stall,grow,input,faults"
     """Which measurements to run: train (start-up, steps/s), join (raytrainer's start-up
-    joining a Ray already running on the machine), kill (worker SIGKILL),
-    stall (checkpoint stall), grow (elastic grow by one worker), input (a slow dataset
+    joining a Ray already running on the machine), kill (worker SIGKILL), stall (checkpoint
+    stall inside training, sync and async), grow (elastic grow by one worker), input (a slow dataset
     through loader processes), faults (five faults in one run, against an undisturbed
     one), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,
     and the snapshots' cost in steps/s); comma-separated."""
@@ -91,10 +100,10 @@ class BenchSpec:
     raytrainer with trainer.strategy: fsdp, without Ray Train; the train and peers scenarios."""
 
     def __post_init__(self):
-        for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples",
-                    "steps", "ray_train_steps", "repetitions", "checkpoint_mb", "kill_steps", "kill_step",
-                    "kill_checkpoint_every", "grow_steps", "input_steps", "input_steps_no_loaders",
-                    "input_workers", "faults_every", "parallel"):
+        for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples", "steps",
+                    "ray_train_steps", "repetitions", "checkpoint_mb", "stall_steps", "stall_checkpoint_every",
+                    "kill_steps", "kill_step", "kill_checkpoint_every", "grow_steps", "input_steps",
+                    "input_steps_no_loaders", "input_workers", "faults_every", "parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
         if self.input_io_ms < 0 or self.input_decode_rounds < 0:
@@ -111,6 +120,11 @@ class BenchSpec:
             raise ConfigError(f"bench --samples={self.samples} must be >= --global-batch-size")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError("bench warmup_fraction must be in [0, 1)")
+        if self.stall_checkpoint_every >= self.stall_steps:
+            raise ConfigError(f"bench --stall-checkpoint-every={self.stall_checkpoint_every} must be below "
+                              f"--stall-steps={self.stall_steps}: a save needs steps after it")
+        if self.ray_train_poll_s <= 0:
+            raise ConfigError("bench --ray-train-poll-s must be > 0")
         if self.timeout_s <= 0:
             raise ConfigError("bench --timeout-s must be > 0")
         if self.faults_workers < 3:
