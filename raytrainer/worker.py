@@ -34,11 +34,15 @@ from .task import build_task
 
 class Worker:
     def __init__(self, config: dict[str, Any]):
-        # Import torch now, on every actor in parallel, not on the first call. (The
-        # first optimizer also imports torch._dynamo, 1.2 s of a 1.9 s grow pause on 2
-        # cores; importing it here instead measured slower steady-state steps, 118 vs
-        # 151 steps/s, and again 148 vs 215 (medians of 5, side by side), for a reason
-        # not found, so it is left where torch puts it.)
+        # Import torch now, on every actor in parallel, not on the first call; and
+        # torch._dynamo, which every optimizer imports as it is built (torch wraps
+        # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid
+        # here while a warm spare or a newcomer waits idle, not in the pause of a recovery
+        # or a grow. Every worker has imported it before its first step either way, so
+        # training does not change (an earlier measurement of steady-state steps after
+        # this import was noisy and bimodal).
+        import torch._dynamo  # noqa: F401
+
         from . import loop  # noqa: F401
         from .snapshot import PeerSnapshots
 
