@@ -75,10 +75,12 @@ class Worker:
         return os.path.exists(path)
 
     def rendezvous(self) -> tuple[str, int]:
-        """Address for the process group's store; asked of rank 0 only."""
-        from .dist import free_port
+        """Host the next process group's store; its address. Asked of rank 0 only, before
+        any rank is asked to join."""
+        from .dist import host_store
 
-        return self.node().ip, free_port()
+        ip = self.node().ip
+        return ip, host_store(ip, self.config.failure.collective_timeout_s)
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
               resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]:
