@@ -67,8 +67,9 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
     os.environ.setdefault(recorder, str(FLIGHT_RECORDER_ENTRIES))
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if rank == 0 and _hosted is not None and _hosted.port == port:
-        store, _hosted = _hosted, None  # the group keeps it alive from here
+    hosted, _hosted = _hosted, None  # not kept listening for a group it does not serve
+    if rank == 0 and hosted is not None and hosted.port == port:
+        store = hosted  # the group keeps it alive from here
     else:  # rank 0 hosts it now if it did not already (callers that skip host_store)
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)
