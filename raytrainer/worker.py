@@ -34,11 +34,15 @@ from .task import build_task
 
 class Worker:
     def __init__(self, config: dict[str, Any]):
-        # Import torch now, on every actor in parallel, not on the first call. (The
-        # first optimizer also imports torch._dynamo, 1.2 s of a 1.9 s grow pause on 2
-        # cores; importing it here instead measured slower steady-state steps, 118 vs
-        # 151 steps/s, and again 148 vs 215 (medians of 5, side by side), for a reason
-        # not found, so it is left where torch puts it.)
+        # Import torch now, on every actor in parallel, not on the first call; and
+        # torch._dynamo, which every optimizer imports as it is built (torch wraps
+        # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid
+        # here while a warm spare or a newcomer waits idle, not in the pause of a recovery
+        # or a grow. Every worker has imported it before its first step either way, so
+        # training does not change (an earlier measurement of steady-state steps after
+        # this import was noisy and bimodal).
+        import torch._dynamo  # noqa: F401
+
         from . import loop  # noqa: F401
         from .snapshot import PeerSnapshots
 
@@ -71,10 +75,12 @@ class Worker:
         return os.path.exists(path)
 
     def rendezvous(self) -> tuple[str, int]:
-        """Address for the process group's store; asked of rank 0 only."""
-        from .dist import free_port
+        """Host the next process group's store; its address. Asked of rank 0 only, before
+        any rank is asked to join."""
+        from .dist import host_store
 
-        return self.node().ip, free_port()
+        ip = self.node().ip
+        return ip, host_store(ip, self.config.failure.collective_timeout_s)
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
               resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]:

@@ -1,0 +1,89 @@
+"""dist.py and the worker's start, without Ray: what forming a group and a new worker
+do before they are needed, so that a recovery or a grow does not wait for it."""
+
+import multiprocessing as mp
+import socket
+import subprocess
+import sys
+
+from raytrainer import dist
+
+
+def test_a_new_worker_has_imported_torch_dynamo_before_it_is_asked_to_join(tmp_path):
+    # A fresh interpreter: this one may have imported torch._dynamo already.
+    config = {"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
+              "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}}
+    code = ("import sys; from raytrainer.worker import Worker; "
+            "before = 'torch._dynamo' in sys.modules; "
+            f"Worker({config!r}); "
+            "print(before, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
+def _rank(rank, ports, results):
+    import torch
+
+    try:
+        if rank == 0:
+            port = dist.host_store("127.0.0.1", 30)
+            ports.put(port)
+        else:
+            port = ports.get(timeout=30)
+        dist.init_group(rank, 2, "127.0.0.1", port, "gloo", 30)
+        results.put((rank, dist.all_reduce_sum(torch.ones(1)).item()))
+        dist.leave_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        if rank == 0:
+            ports.put(None)  # the test stops waiting for the port
+        results.put((rank, repr(exc)))
+
+
+def test_rank_0_hosts_the_store_before_its_peers_are_asked_to_join():
+    ctx = mp.get_context("fork")
+    to_peer, port_seen, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(0, port_seen, results), daemon=True)]
+    procs[0].start()
+    port = port_seen.get(timeout=60)
+    assert port is not None, results.get(timeout=5)
+    # Listening as soon as its port is known, before rank 0 starts the group: a peer never
+    # finds it missing (and never waits out a TCPStore client's retry backoff).
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    to_peer.put(port)
+    procs.append(ctx.Process(target=_rank, args=(1, to_peer, results), daemon=True))
+    procs[1].start()
+    try:
+        got = dict(results.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: 2.0, 1: 2.0}
+
+
+def test_a_rank_0_that_hosted_no_store_hosts_it_as_it_joins():
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+
+    def alone(results):
+        import torch
+
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_group(0, 1, "127.0.0.1", port, "gloo", 30)
+            results.put(dist.all_reduce_sum(torch.ones(1)).item())
+            dist.leave_group()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put(repr(exc))
+
+    p = ctx.Process(target=alone, args=(results,), daemon=True)
+    p.start()
+    try:
+        assert results.get(timeout=60) == 1.0
+    finally:
+        p.join(timeout=10)
