@@ -27,6 +27,7 @@ OPTIONS: dict[str, str | None] = {
     "kill_steps": "optimizer steps of the kill runs",
     "kill_step": "the step at which one worker is SIGKILLed in the kill runs",
     "kill_checkpoint_every": "checkpoint (and Ray Train report) cadence in the kill runs",
+    "kill_pace_s": "least time of each step of the kill runs (so that the kill lands in steady state)",
     "grow_steps": "optimizer steps of the grow run",
     "input_steps": "optimizer steps of the input runs with loader processes",
     "input_steps_no_loaders": "optimizer steps of raytrainer's input run with data.num_workers 0",
@@ -35,7 +36,8 @@ OPTIONS: dict[str, str | None] = {
     "faults_workers": "workers of the faults runs",
     "faults_every": "steps between the five faults of the faults run",
     "faults_step_timeout_s": "failure.step_timeout_s of the faults runs (how long a freeze goes unnoticed)",
-    "scenarios": "comma-separated subset of train (start-up, steps/s), kill (worker SIGKILL), stall "
+    "scenarios": "comma-separated subset of train (start-up, steps/s), join (start-up joining a running "
+                 "Ray), kill (worker SIGKILL), stall "
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
                  "(five faults in one run), peers (--strategy fsdp: recovery from peer snapshots and from a "
                  "checkpoint, the snapshots' cost)",

@@ -19,6 +19,9 @@ from .spec import BenchError
 
 
 def arm_kill(spec: dict[str, Any], step: int, rank: int) -> None:
+    """Called as each step of a kill run starts: pace it (kill_pace_s), and on the rank
+    to die, at kill_step, write the marker the Killer waits for."""
+    time.sleep(spec.get("kill_pace_s", 0.0))
     marker = Path(spec["kill_marker"])
     if step != spec["kill_step"] or rank != spec["workers"] - 1 or marker.exists():
         return  # a replacement worker counts from 0 again: the marker makes it once per run

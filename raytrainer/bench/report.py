@@ -230,7 +230,8 @@ def notes(spec: BenchSpec) -> list[str]:
             "--head` would leave one) and stops after them; raw DDP's column is its train runs' start.")
     if "kill" in spec.scenario_list:
         out.append(
-            f"Kill runs: {spec.kill_steps} steps each; the last rank is SIGKILLed from outside (os.kill "
+            f"Kill runs: {spec.kill_steps} steps each, each step at least {spec.kill_pace_s:g} s (a sleep, "
+            "both contenders: the kill lands in steady state); the last rank is SIGKILLed from outside (os.kill "
             f"of its pid by the contender's process) as soon as it starts step {spec.kill_step}, so it dies "
             f"mid-step; both contenders checkpoint every {spec.kill_checkpoint_every} steps (Ray Train "
             f"also reports only then, its poll {spec.ray_train_poll_s:g} s, FailureConfig(max_failures=1), "

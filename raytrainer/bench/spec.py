@@ -58,8 +58,13 @@ class BenchSpec:
     kill_steps: int = 400
     """Optimizer steps of the kill runs (Ray Train and raytrainer alike)."""
     kill_step: int = 325
-    """The last worker is SIGKILLed from outside once it starts this step: warm by then
-    (raytrainer's warm spare has imported torch), and mid-way between two checkpoints."""
+    """The last worker is SIGKILLed from outside once it starts this step: in steady state
+    by then (see kill_pace_s), and mid-way between two checkpoints."""
+    kill_pace_s: float = 0.02
+    """Each step of the kill runs, both contenders', takes at least this long, so that the
+    kill lands seconds into training (6.5 s at the defaults), as a failure in a real run
+    would: raytrainer's warm spare, started once training runs, has imported torch, and
+    Ray's daemons have settled. Unpaced, the kill came 1.5 s after the first step."""
     kill_checkpoint_every: int = 50
     """Both contenders checkpoint every this many steps in the kill runs (Ray Train also
     reports only then: the least it can report and still checkpoint)."""
@@ -106,6 +111,8 @@ class BenchSpec:
                     "input_steps_no_loaders", "input_workers", "faults_every", "parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
+        if self.kill_pace_s < 0:
+            raise ConfigError("bench --kill-pace-s must be >= 0")
         if self.input_io_ms < 0 or self.input_decode_rounds < 0:
             raise ConfigError("bench --input-io-ms and --input-decode-rounds must be >= 0")
         for key in ("steps", "ray_train_steps", "input_steps", "input_steps_no_loaders"):
