@@ -386,7 +386,6 @@ class RayWorkerGroup:
         self.actors = [self.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
         self.slots = [self.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
         self.nodes = [placed.get(r) or self.nodes[r] for r in keep] + [node for _, _, node in joiners]
-        self._start_spare()
         if len(self.actors) < scaling.min_workers:
             raise PlacementError(
                 f"only {len(self.actors)} workers could be placed within scaling.placement_timeout_s="
@@ -403,6 +402,7 @@ class RayWorkerGroup:
                 calls[rank] = (None, state_ref)
         self._form_group(calls)
         self._secured = None
+        self._start_spare()
         return Reformed(step=at.step, nodes=list(self.nodes), source=source,
                         state_from="memory" if source is not None else "object_store",
                         replaced=sorted(r for r in placed if r in dead),
@@ -460,6 +460,7 @@ class RayWorkerGroup:
         self.nodes = [placed.get(r) or self.nodes[r] for r in range(world)]
         self._form_group({rank: (None, loads[rank]) for rank in range(world)})
         self._copies = {}
+        self._start_spare()
         return Reformed(step=step, nodes=list(self.nodes), source=None, state_from="peers",
                         replaced=sorted(dead), snapshot_step=step, peers=peers)
 
@@ -472,7 +473,10 @@ class RayWorkerGroup:
                 self._take_move(rank, wait=True)
                 continue
             self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
-        self._start_spare()  # now, not after: a second failure finds it warm
+        # The next spare starts once the group has formed (reform, reform_from_peers), not
+        # now: starting a process and importing torch took the cores the recovery needed
+        # (on 2 cores, it held up the spare taking over when that was still starting),
+        # and one started now would not be warm before a recovery's next attempt anyway.
 
     def _answers(self, ranks: list[int], method: str) -> dict[int, Any]:
         """A control call on each of `ranks`, which must all answer: one that does not is

@@ -185,3 +185,28 @@ def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold()
     assert wait(5, 0, 2) and not wait(11, 0, 2)  # enough others: give up after replace_timeout_s
     assert wait(30, 0, 1) and wait(30, 0, 0) and not wait(30, 1, 1)  # below min_workers: keep waiting
     assert not wait(61, 0, 0)  # ... up to placement_timeout_s
+
+
+def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path):
+    # Not while the recovery runs: its process start and torch import would take the cores
+    # that the spare taking over (maybe still starting itself) and the survivors need.
+    from raytrainer.config import load_config
+    from raytrainer.contract import Node
+    from raytrainer.group import RayWorkerGroup
+
+    group = RayWorkerGroup(load_config(config(tmp_path, "spare")), use_gpu=False)
+    group.actors, group.slots = ["w0", "w1"], [("pg", 0), ("pg", 1)]
+    group.nodes = [Node("10.0.0.1", node_id="n"), Node("10.0.0.1", node_id="n")]
+    calls = []
+    status = Status(5, 10, "framework")
+    group.kill = lambda rank: calls.append(("kill", rank))
+    group._take_spare = lambda rank: calls.append(("take_spare", rank)) or "spare"
+    group._answers = lambda ranks, method: {r: status for r in ranks}
+    group._take_state = lambda holders, avoid: (0, "state", status)
+    group._wait_placed = lambda ranks, others: {r: group.nodes[r] for r in ranks}
+    group._ready_joiners = lambda take: []
+    group._form_group = lambda form: calls.append(("form", sorted(form)))
+    group._start_spare = lambda: calls.append(("start_spare",))
+    reformed = group.reform([1])
+    assert calls == [("kill", 1), ("take_spare", 1), ("form", [0, 1]), ("start_spare",)]
+    assert reformed.replaced == [1] and group.actors == ["w0", "spare"]
