@@ -358,7 +358,7 @@ class RayWorkerGroup:
         scaling = self.config.scaling
         world = len(self.actors)
         leave = [r for r in leave if r not in dead]
-        self._replace(dead)
+        asked = self._replace(dead)
         others = [r for r in range(world) if r not in dead]
         answers = self._answers(others, "status")
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
@@ -370,7 +370,7 @@ class RayWorkerGroup:
             if node is not None:
                 moved[rank] = node
         staying = len(others) - len(leave) + len(moved)
-        placed = self._wait_placed(dead, staying + len(self._ready_joiners(take=False)))
+        placed = self._wait_placed(dead, staying + len(self._ready_joiners(take=False)), asked)
         for rank in dead:
             if rank not in placed:  # its slot stays reserved: it may join later
                 ray.kill(self.actors[rank], no_restart=True)
@@ -421,7 +421,7 @@ class RayWorkerGroup:
         no snapshot serves or a replacement cannot be placed (a checkpoint is the way back
         then), and ReformFailed when a worker is lost meanwhile."""
         world = len(self.actors)
-        self._replace(dead)
+        asked = self._replace(dead)
         others = [r for r in range(world) if r not in dead]
         held = self._answers(others, "snapshots_held")
         secured = {rank: step for rank, (step, _) in self._copies.items()}
@@ -451,7 +451,7 @@ class RayWorkerGroup:
             for holder in failed:
                 self.kill(holder)
             raise ReformFailed(failures, failed)
-        placed = self._wait_placed(dead, len(others))
+        placed = self._wait_placed(dead, len(others), asked)
         missing = [r for r in dead if r not in placed]
         if missing:
             raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
@@ -464,19 +464,27 @@ class RayWorkerGroup:
         return Reformed(step=step, nodes=list(self.nodes), source=None, state_from="peers",
                         replaced=sorted(dead), snapshot_step=step, peers=peers)
 
-    def _replace(self, dead: list[int]) -> None:
+    def _replace(self, dead: list[int]) -> dict[int, Any]:
         """Kill the `dead` ranks' workers and start their replacements: the one started for
-        a draining node's rank, else the warm spare, else a new worker in the rank's slot."""
+        a draining node's rank, else the warm spare, else a new worker in the rank's slot.
+        Returns, by rank, the node() call a replacement already answers or will (the spare's,
+        made as it started), for _wait_placed: one call fewer to wait for."""
+        asked: dict[int, Any] = {}
         for rank in dead:
             self.kill(rank)
             if rank in self._moves:  # its node was drained: its replacement is elsewhere
                 self._take_move(rank, wait=True)
                 continue
-            self.actors[rank] = self._take_spare(rank) or self._actor(self.slots[rank])  # its slot is free again
+            call = self._spare_node[0] if self._spare is not None else None
+            spare = self._take_spare(rank)
+            if spare is not None:
+                asked[rank] = call
+            self.actors[rank] = spare or self._actor(self.slots[rank])  # its slot is free again
         # The next spare starts once the group has formed (reform, reform_from_peers), not
         # now: starting a process and importing torch took the cores the recovery needed
         # (on 2 cores, it held up the spare taking over when that was still starting),
         # and one started now would not be warm before a recovery's next attempt anyway.
+        return asked
 
     def _answers(self, ranks: list[int], method: str) -> dict[int, Any]:
         """A control call on each of `ranks`, which must all answer: one that does not is
@@ -613,11 +621,13 @@ class RayWorkerGroup:
             return None
         return spare
 
-    def _wait_placed(self, ranks: list[int], others: int) -> dict[int, Node]:
-        """Wait for the new workers of `ranks` to be placed and up; return their nodes by
-        rank. How long: policy.keep_waiting_for_placement."""
+    def _wait_placed(self, ranks: list[int], others: int, asked: dict[int, Any] | None = None) -> dict[int, Node]:
+        """Wait for the new workers of `ranks` to be placed and up (through their node()
+        calls in `asked`, else new ones); return their nodes by rank. How long:
+        policy.keep_waiting_for_placement."""
         scaling = self.config.scaling
-        refs = {self.actors[r].node.remote(): r for r in ranks}
+        asked = asked or {}
+        refs = {asked[r] if r in asked else self.actors[r].node.remote(): r for r in ranks}
         placed: dict[int, Node] = {}
         t0 = time.monotonic()
         while refs:

@@ -200,13 +200,17 @@ def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path
     calls = []
     status = Status(5, 10, "framework")
     group.kill = lambda rank: calls.append(("kill", rank))
+    group._spare, group._spare_node = "spare", ("the spare's node() call", "n")
     group._take_spare = lambda rank: calls.append(("take_spare", rank)) or "spare"
     group._answers = lambda ranks, method: {r: status for r in ranks}
     group._take_state = lambda holders, avoid: (0, "state", status)
-    group._wait_placed = lambda ranks, others: {r: group.nodes[r] for r in ranks}
+    # The spare's node() call, made as it started, says where it is: no second one to wait for.
+    group._wait_placed = lambda ranks, others, asked: calls.append(("wait_placed", asked)) or {
+        r: group.nodes[r] for r in ranks}
     group._ready_joiners = lambda take: []
     group._form_group = lambda form: calls.append(("form", sorted(form)))
     group._start_spare = lambda: calls.append(("start_spare",))
     reformed = group.reform([1])
-    assert calls == [("kill", 1), ("take_spare", 1), ("form", [0, 1]), ("start_spare",)]
+    assert calls == [("kill", 1), ("take_spare", 1), ("wait_placed", {1: "the spare's node() call"}),
+                     ("form", [0, 1]), ("start_spare",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"]
