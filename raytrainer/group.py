@@ -486,7 +486,7 @@ class RayWorkerGroup:
         # The next spare starts once the group has formed (reform, reform_from_peers), not
         # now: starting a process and importing torch took the cores the recovery needed
         # (on 2 cores, it held up the spare taking over when that was still starting),
-        # and one started now would not be warm before a recovery's next attempt anyway.
+        # and one started now would still be starting at a recovery's next attempt.
         return asked
 
     def _answers(self, ranks: list[int], method: str) -> dict[int, Any]:
