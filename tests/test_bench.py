@@ -16,7 +16,8 @@ from raytrainer import bench
 from raytrainer.bench import rt
 from raytrainer.bench.faults import recoveries
 from raytrainer.bench.raw import run_raw
-from raytrainer.bench.report import input_steps_per_s, settings_lines, start_to_first_step, steady_steps_per_s
+from raytrainer.bench.report import (early_steps_per_s, input_steps_per_s, settings_lines, start_to_first_step,
+                                     steady_steps_per_s)
 from raytrainer.bench.rt import save_stalls, stall_hidden
 from raytrainer.bench.run import _in_parallel, launch
 from raytrainer.cli import main
@@ -305,6 +306,11 @@ def test_figures_from_timestamps():
     assert start["ratios"] == {"raytrainer/raw": pytest.approx(5 / 3), "raytrainer/ray_train": 1.25}
     assert start["target_met"] is False  # 1.67x raw misses <= 1.5x
     assert figures["steps_per_s"]["target_met"] is True
+    # Steady state counts from steady_from on; the early figure reads the first tenth.
+    slow_start = {"launched": 99.0, "warmup_fraction": 0.1, "steady_from": 0.5, "contender": "raytrainer",
+                  "step_times": [100.0 + i for i in range(5)] + [105.0 + 0.25 * i for i in range(1, 6)]}
+    assert steady_steps_per_s(slow_start) == pytest.approx(4.0)  # the last 5 steps, 0.25 s apart
+    assert early_steps_per_s(slow_start) == pytest.approx(1.0)  # the first 3, 1 s apart
     # Joining a running Ray: raytrainer's join run against raw DDP's train run; a join run
     # counts for no other figure.
     joined = dict(run, scenario="join", launched=101.0)

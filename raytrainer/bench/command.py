@@ -16,7 +16,8 @@ OPTIONS: dict[str, str | None] = {
     "layers": "MLP hidden layers",
     "global_batch_size": None,
     "samples": "training set size",
-    "steps": "optimizer steps (raw DDP, raytrainer)",
+    "steps": "optimizer steps of the train runs (raw DDP, raytrainer)",
+    "steady_from": "share of a train run's steps after which steps/s is counted (the rest is start-up)",
     "ray_train_steps": "optimizer steps for Ray Train",
     "ray_train_poll_s": "Ray Train's controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default 2 s): "
                         "its report() waits for it",

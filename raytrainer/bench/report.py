@@ -49,7 +49,16 @@ def _joined_start(run: dict[str, Any]) -> float | None:
 
 
 def steady_steps_per_s(run: dict[str, Any]) -> float | None:
-    return rate(run["step_times"], run["warmup_fraction"]) if _train_run(run) else None
+    """Over the steps from steady_from on (the first seconds are start-up)."""
+    return rate(run["step_times"], run.get("steady_from", run["warmup_fraction"])) if _train_run(run) else None
+
+
+def early_steps_per_s(run: dict[str, Any]) -> float | None:
+    """Over the first tenth of the steps, less its own warm-up share: what start-up costs
+    the first seconds of training."""
+    if not _train_run(run):
+        return None
+    return rate(run["step_times"][:max(len(run["step_times"]) // 10, 3)], run["warmup_fraction"])
 
 
 def input_steps_per_s(run: dict[str, Any]) -> float | None:
@@ -98,6 +107,8 @@ FIGURES = (
     Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
            "higher", CONTENDERS, steady_steps_per_s, target=">= 0.95x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] >= 0.95),
+    Figure("early_steps_per_s", "the same over the first tenth of the steps (start-up)", "steps/s",
+           "higher", CONTENDERS, early_steps_per_s),
     # Raw DDP has no recovery: a lost worker ends its run (its column shows "-").
     Figure("kill_to_first_step_s", "worker SIGKILL to first step after recovery", "s", "lower",
            ("ray_train", "raytrainer"), lambda run: run.get("kill_to_first_step_s"),

@@ -93,7 +93,7 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     if not result.get("step_times"):
         raise BenchError(f"bench contender {spec.labels[name]} recorded no step")
     result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
-                  load_before=load_before, warmup_fraction=spec.warmup_fraction)
+                  load_before=load_before, warmup_fraction=spec.warmup_fraction, steady_from=spec.steady_from)
     return result
 
 
