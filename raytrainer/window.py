@@ -85,7 +85,7 @@ class MetricsWindow:
                                                  value=float(pause_requested))
                 self._pending.append((all_reduce_sum(values, async_op=True), values, window))
         # Each reduced window comes to the host in one copy (a sync on a GPU), its means
-        # computed on the device as before; the flags are read from that copy.
+        # computed on the device first; the pause flags are read from that copy.
         while self._pending and (wait or ready is not None or len(self._pending) > 1):
             work, values, window = self._pending.pop(0)
             if work is not None:

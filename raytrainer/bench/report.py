@@ -32,15 +32,16 @@ class Figure:
     """How the table shows a value, if not as a number."""
 
 
-def _train_run(run: dict[str, Any]) -> bool:
-    """Whether a run is a plain training run (not a kill run, the checkpoint-stall measurement, ...)."""
-    return "step_times" in run and run.get("scenario", "train") == "train"
+def _train_run(run: dict[str, Any], scenario: str = "train") -> bool:
+    """Whether a run is a plain training run of `scenario` (train, or join: not a kill run,
+    a stall run, ...)."""
+    return "step_times" in run and run.get("scenario", "train") == scenario
 
 
 def start_to_first_step(run: dict[str, Any], scenario: str = "train") -> float | None:
     """From launching the contender's process to its first finished step: a train run's,
     or a join run's (raytrainer joining a running Ray)."""
-    return run["step_times"][0] - run["launched"] if run.get("scenario", "train") == scenario else None
+    return run["step_times"][0] - run["launched"] if _train_run(run, scenario) else None
 
 
 def _joined_start(run: dict[str, Any]) -> float | None:

@@ -61,9 +61,10 @@ def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None
                  task_args={"threads_file": str(snapshot), "threads_at": threads_at(spec["steps"])})
     out = outcome(train(cfg, progress=False))
     out["worker_threads"] = json.loads(snapshot.read_text())
-    out.update(threads=out["worker_threads"]["torch_intra_op"], contender_settings=settings(cfg))
-    # "local": it started a Ray of its own; an address: it joined that Ray (or failed to start).
-    return {**out, "ray_address": os.environ.get("RAY_ADDRESS")}
+    # ray_address "local": it started a Ray of its own; an address: it joined that Ray (or failed to start).
+    out.update(threads=out["worker_threads"]["torch_intra_op"], contender_settings=settings(cfg),
+               ray_address=os.environ.get("RAY_ADDRESS"))
+    return out
 
 
 def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:

@@ -214,7 +214,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
             def one(scenario: str, name: str) -> dict[str, Any]:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
                 run = launch(name, spec, rep, Path(tmp), scenario=scenario, cancel=cancel,
-                             **({"ray_address": address} if scenario == "join" else {}))
+                             ray_address=address if scenario == "join" else "local")
                 for line in _outcome(scenario, run):
                     log(f"bench:   {line}")
                 if keep_in is None:  # about to be deleted
