@@ -182,7 +182,7 @@ class BenchSpec:
 
 
 SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
-             checkpoint_mb=4, kill_steps=24, kill_step=15, kill_checkpoint_every=10, input_steps=8,
+             checkpoint_mb=4, kill_steps=60, kill_step=15, kill_checkpoint_every=10, input_steps=8,
              input_steps_no_loaders=3, input_workers=2, faults_every=250, parallel=2)
 """--smoke: checks that every contender and figure works, two runs at a time (the kill and
 faults runs one at a time)."""
