@@ -14,7 +14,7 @@ import sys
 
 import ray
 
-from raytrainer.cli import main
+from raytrainer.driver.cli import main
 
 if __name__ == "__main__":
     os.chdir(os.environ.get("RAYTRAINER_PROJECT", os.path.expanduser("~/raytrainer")))

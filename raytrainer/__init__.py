@@ -1,10 +1,10 @@
 """raytrainer: elastic, fault-tolerant, data-parallel PyTorch training on Ray."""
 
-from .api import Result, train
+from .driver.api import Result, train
 from .callbacks import Callback, RunContext
 from .config import Config, load_config
 from .errors import ConfigError, PlacementError, RaytrainerError, TaskError, WorkerError
-from .metrics import RunInfo, Sink
+from .driver.metrics import RunInfo, Sink
 from .task import Task
 
 __all__ = [

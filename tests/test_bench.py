@@ -20,9 +20,9 @@ from raytrainer.bench.report import (early_steps_per_s, input_steps_per_s, setti
                                      steady_steps_per_s)
 from raytrainer.bench.rt import save_stalls, stall_hidden
 from raytrainer.bench.run import _in_parallel, launch
-from raytrainer.cli import main
+from raytrainer.driver.cli import main
 from raytrainer.errors import ConfigError
-from raytrainer.plot import plot_runs
+from raytrainer.driver.plot import plot_runs
 
 from .test_plot import expected_shape, read_png
 

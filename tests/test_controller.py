@@ -6,10 +6,10 @@ import pytest
 
 from raytrainer.config import FailureConfig
 from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd
-from raytrainer.controller import Controller, State
+from raytrainer.driver.controller import Controller, State
 from raytrainer.errors import ConfigError, WorkerError
-from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
-from raytrainer.policy import FailuresExceeded
+from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
+from raytrainer.driver.policy import FailuresExceeded
 
 NODES = [Node("10.0.0.1", pid=100), Node("10.0.0.2", pid=200)]
 

@@ -13,7 +13,7 @@ def test_a_new_worker_has_imported_torch_dynamo_before_it_is_asked_to_join(tmp_p
     # A fresh interpreter: this one may have imported torch._dynamo already.
     config = {"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
               "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}}
-    code = ("import sys; from raytrainer.worker import Worker; "
+    code = ("import sys; from raytrainer.worker.actor import Worker; "
             "before = 'torch._dynamo' in sys.modules; "
             f"Worker({config!r}); "
             "print(before, 'torch._dynamo' in sys.modules)")

@@ -168,7 +168,7 @@ def test_a_rank_0_frozen_as_the_group_forms_is_found_hung_not_waited_for(ray_loc
     whose process never answers) is a hang like any other, found after step_timeout_s and
     reported to the controller, not a call the driver waits on for ever."""
     from raytrainer.config import load_config
-    from raytrainer.group import RayWorkerGroup
+    from raytrainer.driver.group import RayWorkerGroup
 
     group = RayWorkerGroup(load_config(config(tmp_path, "rendezvous")), use_gpu=False, cluster_can_grow=False)
     frozen = None
@@ -190,7 +190,7 @@ def test_a_worker_that_never_reaches_the_rendezvous_is_found_hung_not_waited_for
     rendezvous. It is the one hung, found after step_timeout_s, not a wait of
     failure.collective_timeout_s (600 s here)."""
     from raytrainer.config import load_config
-    from raytrainer.group import RayWorkerGroup
+    from raytrainer.driver.group import RayWorkerGroup
 
     stall = tmp_path / "stall-pid"
     cfg = config(tmp_path, "never-arrives", stall_pid_file=str(stall))
@@ -216,7 +216,7 @@ def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(r
     attempt."""
     from raytrainer.config import load_config
     from raytrainer.contract import ReformFailed
-    from raytrainer.group import RayWorkerGroup
+    from raytrainer.driver.group import RayWorkerGroup
 
     stall = tmp_path / "stall-pids"
     cfg = config(tmp_path, "failed-re-form", stall_pid_file=str(stall))

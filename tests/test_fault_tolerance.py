@@ -10,7 +10,7 @@ import torch
 import raytrainer
 from raytrainer.contract import Status
 from raytrainer.errors import ConfigError, TaskError, WorkerError
-from raytrainer.policy import (Failure, FailurePolicy, FailuresExceeded, blame, choose_source,
+from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, blame, choose_source,
                                choose_state, keep_waiting_for_placement)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
@@ -81,7 +81,7 @@ def test_the_warm_spare_starts_once_training_runs_and_takes_a_lost_workers_place
     import torch on their cores); one once training runs; a lost worker's place goes to
     it, not to a cold start."""
     from raytrainer.config import load_config
-    from raytrainer.group import RayWorkerGroup
+    from raytrainer.driver.group import RayWorkerGroup
 
     cfg = config(tmp_path, "spare")
     cfg["trainer"]["max_steps"] = 10**6
@@ -229,7 +229,7 @@ def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path
     # that the spare taking over (maybe still starting itself) and the survivors need.
     from raytrainer.config import load_config
     from raytrainer.contract import Node
-    from raytrainer.group import RayWorkerGroup
+    from raytrainer.driver.group import RayWorkerGroup
 
     group = RayWorkerGroup(load_config(config(tmp_path, "spare")), use_gpu=False)
     group.actors, group.slots = ["w0", "w1"], [("pg", 0), ("pg", 1)]

@@ -8,8 +8,8 @@ import torch
 from raytrainer.config import EarlyStoppingConfig, LRScheduleConfig, TrainerConfig
 from raytrainer.data import BatchPlan
 from raytrainer.errors import ConfigError
-from raytrainer.loop import Loop
-from raytrainer.schedule import lr_multiplier
+from raytrainer.worker.loop import Loop
+from raytrainer.worker.schedule import lr_multiplier
 
 from .tasks import FeatureTask, RegressionTask
 

@@ -8,8 +8,8 @@ import torch
 from raytrainer.config import DataConfig, TrainerConfig, load_config
 from raytrainer.data import BatchPlan, fetch
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
-from raytrainer.loop import Loop
+from raytrainer.worker.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
+from raytrainer.worker.loop import Loop
 
 from .conftest import assert_no_loader_processes
 from .tasks import BadInputTask, RegressionStream, RegressionTask, StreamTask

@@ -249,7 +249,7 @@ def test_training_goes_on_when_the_tracking_server_stops(ray_local, tmp_path, mo
 
 
 def test_a_logger_is_imported_only_when_configured_and_missing_packages_are_config_errors(monkeypatch):
-    code = ("import sys, raytrainer.api, raytrainer.loggers as l; from raytrainer.config import LoggerConfig; "
+    code = ("import sys, raytrainer.driver.api, raytrainer.driver.loggers as l; from raytrainer.config import LoggerConfig; "
             "sinks = l.build_loggers([LoggerConfig(type='tensorboard')], warn=print); [s.close() for s in sinks]; "
             "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

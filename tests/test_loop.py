@@ -5,7 +5,7 @@ import torch
 
 from raytrainer.config import TrainerConfig
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.loop import Loop
+from raytrainer.worker.loop import Loop
 
 from .tasks import RegressionTask
 

@@ -9,7 +9,7 @@ import pytest
 
 from tensorboardX.proto.event_pb2 import Event
 
-from raytrainer.metrics import BackgroundSink, MetricsHub, RunInfo, SinkStates, TensorBoardSink
+from raytrainer.driver.metrics import BackgroundSink, MetricsHub, RunInfo, SinkStates, TensorBoardSink
 
 
 def read_events(path):

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from raytrainer.cli import main
+from raytrainer.driver.cli import main
 from raytrainer.errors import ConfigError
-from raytrainer.plot import COLUMNS, DPI, PANEL_H, PANEL_W, plot_runs
+from raytrainer.driver.plot import COLUMNS, DPI, PANEL_H, PANEL_W, plot_runs
 
 
 def write_run(path, *, steps=20, failure=True, val_metrics=("loss", "accuracy"), partial_last_line=False):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from raytrainer.contract import Node, Poll, Reformed, RunEnd, Status
-from raytrainer.controller import Controller
-from raytrainer.metrics import EventLog, JsonlWriter, MetricsHub
-from raytrainer.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
+from raytrainer.driver.controller import Controller
+from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
+from raytrainer.driver.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
 
 from .ray_procs import parent
 

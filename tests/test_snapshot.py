@@ -9,9 +9,9 @@ import torch
 from raytrainer.config import FailureConfig, TrainerConfig
 from raytrainer.contract import Holdings
 from raytrainer.errors import ConfigError
-from raytrainer.loop import Loop
-from raytrainer.policy import choose_snapshot
-from raytrainer.snapshot import PeerSnapshots, check_memory
+from raytrainer.worker.loop import Loop
+from raytrainer.driver.policy import choose_snapshot
+from raytrainer.worker.snapshot import PeerSnapshots, check_memory
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask

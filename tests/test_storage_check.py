@@ -5,7 +5,7 @@ import pytest
 
 from raytrainer.contract import Node
 from raytrainer.errors import ConfigError
-from raytrainer.storage_check import check_shared_storage
+from raytrainer.driver.storage_check import check_shared_storage
 
 NODES = [Node("10.0.0.1", node_id="aaaa1111"), Node("10.0.0.2", node_id="bbbb2222")]
 

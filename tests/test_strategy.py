@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raytrainer.config import TrainerConfig
-from raytrainer.loop import Loop
+from raytrainer.worker.loop import Loop
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask

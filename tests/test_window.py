@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from raytrainer.config import TrainerConfig
-from raytrainer.loop import Loop
-from raytrainer.strategy import DDP
+from raytrainer.worker.loop import Loop
+from raytrainer.worker.strategy import DDP
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask

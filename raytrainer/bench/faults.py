@@ -95,7 +95,7 @@ def faults_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     import ray
     import torch
 
-    from ..api import init_ray, train
+    from ..driver.api import init_ray, train
 
     plan = fault_plan(spec)
     chaos = [{"action": f["fault"], "step": f["step"], "rank": f["ranks"][0], "at": "random"}

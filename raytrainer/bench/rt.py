@@ -54,7 +54,7 @@ def settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None,
                    failure: dict[str, Any] | None = None) -> dict[str, Any]:
-    from ..api import train
+    from ..driver.api import train
 
     snapshot = work / "threads.json"  # rank 0's thread snapshot, written by the bench task
     cfg = config(spec, work, "bench", spec["steps"], data=data or {}, failure=failure or {},
@@ -73,7 +73,7 @@ def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     on one local Ray (started as raytrainer.train would): the figures are steady-state rates."""
     import ray
 
-    from ..api import init_ray
+    from ..driver.api import init_ray
 
     init_ray()  # as raytrainer.train would
     try:
@@ -91,7 +91,7 @@ def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | None = None) -> dict[str, Any]:
     """raytrainer with the last worker SIGKILLed at spec["kill_step"]; its default
     failure settings (warm spare) but `failure`, and a checkpoint every kill_checkpoint_every steps."""
-    from ..api import train
+    from ..driver.api import train
 
     marker = work / "kill-marker.json"
     cfg = config(spec, work, "bench-kill", spec["kill_steps"], task_args={"kill_marker": str(marker)},
@@ -125,7 +125,7 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     (snapshots off), then the train run with snapshots and without, for their cost."""
     import ray
 
-    from ..api import init_ray
+    from ..driver.api import init_ray
     from ..config import FailureConfig
 
     init_ray()  # as raytrainer.train would
@@ -157,7 +157,7 @@ def grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from ..api import train
+    from ..driver.api import train
 
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes its head's address there
     temp_dir = tempfile.mkdtemp(prefix="rtb-", dir="/tmp")  # short: Ray's sockets live under it
@@ -234,7 +234,7 @@ def stall_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     competing with training for the same cores, when asynchronous."""
     import ray
 
-    from ..api import train
+    from ..driver.api import train
     from ..checkpoint import Checkpoints, Storage
     from ..config import CheckpointConfig
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .config import DataConfig
-from .data import BatchPlan
-from .errors import ConfigError, TaskError
+from ..config import DataConfig
+from ..data import BatchPlan
+from ..errors import ConfigError, TaskError
 
 
 class RayDataInput:

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from .errors import ConfigError, RaytrainerError
+from ..errors import ConfigError, RaytrainerError
 
 
 def _run_options(parser: argparse.ArgumentParser, example: str) -> None:
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     resume.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535")
     _run_options(resume, "scaling.num_workers=1")
     bench = sub.add_parser("bench", help="time raytrainer against raw torch DDP and Ray Train")
-    from .bench import add_arguments
+    from ..bench import add_arguments
 
     add_arguments(bench)
     plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
@@ -84,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench
+    from ..bench import main as bench
 
     return bench(args)
 

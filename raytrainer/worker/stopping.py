@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from .config import EarlyStoppingConfig
-from .errors import ConfigError
+from ..config import EarlyStoppingConfig
+from ..errors import ConfigError
 
 
 class EarlyStopping:

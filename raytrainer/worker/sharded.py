@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import Storage
+from ..checkpoint import Storage
 
 PLAIN = "plain.pt"  # the values of `state` that hold no tensor, written by rank 0
 DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) after every rank's shards

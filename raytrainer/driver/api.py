@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .callbacks import Callback, Callbacks, RunContext
-from .checkpoint import Checkpoints, Storage, load_checkpoint_dir
-from .config import Config, dump_config, load_config
-from .contract import Resume
+from ..callbacks import Callback, Callbacks, RunContext
+from ..checkpoint import Checkpoints, Storage, load_checkpoint_dir
+from ..config import Config, dump_config, load_config
+from ..contract import Resume
 from .controller import Controller
-from .errors import ConfigError
+from ..errors import ConfigError
 from .loggers import build_loggers
 from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
 

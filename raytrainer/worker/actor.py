@@ -1,6 +1,6 @@
 """One training process: builds the task itself, joins the process group, runs the loop.
 
-A plain class; group.py makes it a Ray actor with two concurrency groups: the default
+A plain class; driver/group.py makes it a Ray actor with two concurrency groups: the default
 one (one thread: setup, run, regroup, get_state, one at a time) and "control" (status,
 drain, stacks, pause, abort), which answers the driver while `run` trains or is
 blocked in a collective.
@@ -22,11 +22,11 @@ import threading
 import traceback
 from typing import Any
 
-from .callbacks import Callbacks
-from .config import load_config
-from .contract import Holdings, Node, RunEnd, Snapshot, Status
-from .errors import PeerFailure, RaytrainerError, WorkerError
-from .task import build_task
+from ..callbacks import Callbacks
+from ..config import load_config
+from ..contract import Holdings, Node, RunEnd, Snapshot, Status
+from ..errors import PeerFailure, RaytrainerError, WorkerError
+from ..task import build_task
 
 # torch is imported inside the methods: the driver imports this module to create
 # the actors and should not pay for importing torch before its first step.
@@ -192,7 +192,7 @@ class Worker:
 
     def kill_process(self, pid: int) -> None:
         """SIGKILL a process on this node: a frozen peer, which Ray itself kills only after
-        a grace period (see group._kill)."""
+        a grace period (see driver.group.RayWorkerGroup.kill)."""
         import os
         import signal
 
@@ -255,7 +255,7 @@ class Worker:
         return not _internal_kv_put(key, b"1", overwrite=False)
 
     def _checkpoints(self):
-        from .checkpoint import Checkpoints, Storage
+        from ..checkpoint import Checkpoints, Storage
 
         cfg = self.config
         return Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint)

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import to_cpu
-from .contract import Holdings, Snapshot
-from .errors import ConfigError
+from ..checkpoint import to_cpu
+from ..contract import Holdings, Snapshot
+from ..errors import ConfigError
 
 
 class PeerSnapshots:

@@ -41,14 +41,14 @@ from typing import Any, Callable
 
 import torch
 
-from .callbacks import Callbacks
+from ..callbacks import Callbacks
 from .chaos import Chaos
-from .checkpoint import Checkpoints, Committed
-from .config import ChaosFault, CheckpointConfig, DataConfig, TrainerConfig
-from .contract import Snapshot
-from .data import BatchPlan, batch_size_of, to_device
+from ..checkpoint import Checkpoints, Committed
+from ..config import ChaosFault, CheckpointConfig, DataConfig, TrainerConfig
+from ..contract import Snapshot
+from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
-from .errors import ConfigError, TaskError
+from ..errors import ConfigError, TaskError
 from .input import ValInput, build_train_input, dataset_size
 from .saver import CheckpointSaver
 from .schedule import build_lr_schedule
@@ -56,7 +56,7 @@ from .snapshot import PeerSnapshots, check_memory, estimate_bytes, load, ranks_o
 from .state import TrainState
 from .stopping import EarlyStopping
 from .strategy import build_strategy
-from .task import Task
+from ..task import Task
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.

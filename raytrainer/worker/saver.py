@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .checkpoint import AsyncWriter, Checkpoints, Committed, to_cpu
-from .config import CheckpointConfig
+from ..checkpoint import AsyncWriter, Checkpoints, Committed, to_cpu
+from ..config import CheckpointConfig
 
 
 class CheckpointSaver:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import TrainerConfig
+from ..config import TrainerConfig
 from .syncbn import convert_sync_batchnorm
 from .window import Carrier
 
@@ -143,7 +143,7 @@ class FSDP:
     def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
-        from .errors import TaskError
+        from ..errors import TaskError
         from .sharded import default_mesh, shard_model
 
         module = module.to(device)
@@ -157,7 +157,7 @@ class FSDP:
                                    param_dtype=dtypes[self.options.param_dtype],
                                    reduce_dtype=dtypes[self.options.reduce_dtype])
             except ValueError as exc:  # a class name the model does not have
-                from .errors import ConfigError
+                from ..errors import ConfigError
 
                 raise ConfigError(f"trainer.fsdp.shard: {exc}") from None
         module = hook(module, mesh) or module
@@ -209,7 +209,7 @@ class FSDP:
         return ShardedEMA(module, decay)  # AveragedModel's deepcopy of a sharded module fails
 
     def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
-        from .checkpoint import Storage
+        from ..checkpoint import Storage
         from .sharded import load_sharded
 
         parent, name = uri.rstrip("/").rsplit("/", 1)

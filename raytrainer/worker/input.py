@@ -40,9 +40,9 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
-from .config import DataConfig
-from .data import BatchPlan, fetch, val_shard
-from .errors import ConfigError, TaskError
+from ..config import DataConfig
+from ..data import BatchPlan, fetch, val_shard
+from ..errors import ConfigError, TaskError
 
 STREAM_SIZE = sys.maxsize // 4
 """What a stream counts as its length in the BatchPlan: its epoch never ends."""
@@ -92,7 +92,7 @@ def loader_context():
     ctx = multiprocessing.get_context("forkserver")
     # The main module too (a Ray worker script; guarded like any multiprocessing main), once
     # in the server rather than in every loader process.
-    ctx.set_forkserver_preload(["__main__", "torch", "raytrainer.input"])
+    ctx.set_forkserver_preload(["__main__", "torch", "raytrainer.worker.input"])
     return ctx
 
 

@@ -29,12 +29,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from .config import Config
-from .contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Snapshot, Status
-from .errors import NoSurvivors, PeerFailure, PlacementError, RaytrainerError, WorkerError
+from ..config import Config
+from ..contract import WORKER_ACTOR, Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Snapshot, Status
+from ..errors import NoSurvivors, PeerFailure, PlacementError, RaytrainerError, WorkerError
 from .policy import choose_snapshot, choose_state, keep_waiting_for_placement
 from .storage_check import check_shared_storage
-from .worker import Worker
+from ..task import import_object
 
 from pathlib import Path
 
@@ -723,7 +723,7 @@ _REMOTE_WORKER: Any = None
 def _remote_worker() -> Any:
     global _REMOTE_WORKER
     if _REMOTE_WORKER is None:
-        _REMOTE_WORKER = ray.remote(concurrency_groups={CONTROL: 4})(Worker)
+        _REMOTE_WORKER = ray.remote(concurrency_groups={CONTROL: 4})(import_object(WORKER_ACTOR, "contract.WORKER_ACTOR"))
     return _REMOTE_WORKER
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .config import LRScheduleConfig
+from ..config import LRScheduleConfig
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:

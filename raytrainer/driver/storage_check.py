@@ -13,9 +13,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from .contract import Node
+from ..contract import Node
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def check_shared_storage(run_dir: Path, storage: str, nodes: list[Node], driver_node_id: str,

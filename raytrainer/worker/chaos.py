@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .config import ChaosFault
+from ..config import ChaosFault
 
 
 class ChaosError(RuntimeError):

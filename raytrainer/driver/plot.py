@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import ConfigError, RaytrainerError
+from ..errors import ConfigError, RaytrainerError
 
 # Events drawn as vertical markers: name -> (line style, label). Colour is the run's.
 KNOWN_EVENTS = {

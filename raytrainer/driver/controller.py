@@ -7,7 +7,7 @@
          (RUNNING -> RESIZING -> RUNNING when an elastic run grows)
 
 The controller knows no torch and no Ray: it drives any worker group
-(group.RayWorkerGroup in production, a fake in tests), writes every lifecycle
+(driver.group.RayWorkerGroup in production, a fake in tests), writes every lifecycle
 change to the event log and every metric row to the sinks, asks the failure
 policy what to do when workers fail or hang, and always shuts the group down,
 whatever happened.
@@ -47,10 +47,10 @@ from typing import Any
 from pathlib import Path
 from typing import Callable
 
-from .callbacks import Callbacks, RunContext
-from .config import FailureConfig
-from .contract import Failure, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from .errors import NoSurvivors, RaytrainerError, WorkerError
+from ..callbacks import Callbacks, RunContext
+from ..config import FailureConfig
+from ..contract import Failure, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
+from ..errors import NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
 from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, root_causes
 

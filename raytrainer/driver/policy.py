@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .contract import Failure, Holdings, Status
-from .errors import RaytrainerError, WorkerError
+from ..contract import Failure, Holdings, Status
+from ..errors import RaytrainerError, WorkerError
 
 __all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "blame",
            "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",

@@ -15,10 +15,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .config import TrainerConfig
-from .errors import ConfigError
+from ..config import TrainerConfig
+from ..errors import ConfigError
 from .strategy import Strategy
-from .task import Task
+from ..task import Task
 
 
 @dataclass

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .config import LoggerConfig
-from .errors import ConfigError
+from ..config import LoggerConfig
+from ..errors import ConfigError
 from .metrics import BackgroundSink, RunInfo, Sink, TensorBoardSink
-from .task import import_object
+from ..task import import_object
 
 # mlflow's client retries a failed request 7 times over about 4 minutes and waits 120 s for
 # an answer: against a server that is down, every batch would take minutes. These fail in
