@@ -90,10 +90,10 @@ def test_the_warm_spare_starts_once_training_runs_and_takes_a_lost_workers_place
     try:
         nodes = group.start()
         group.setup()
-        assert group._spare is None
+        assert group.spare.actor is None
         group.launch()
         group.poll(0.1)
-        spare = group._spare
+        spare = group.spare.actor
         assert spare is not None
         import ray
 
@@ -231,23 +231,28 @@ def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path
     from raytrainer.contract import Node
     from raytrainer.driver.group import RayWorkerGroup
 
+    from types import SimpleNamespace
+
     group = RayWorkerGroup(load_config(config(tmp_path, "spare")), use_gpu=False)
-    group.actors, group.slots = ["w0", "w1"], [("pg", 0), ("pg", 1)]
-    group.nodes = [Node("10.0.0.1", node_id="n"), Node("10.0.0.1", node_id="n")]
+    group.roster.actors, group.roster.slots = ["w0", "w1"], [("pg", 0), ("pg", 1)]
+    group.roster.nodes = [Node("10.0.0.1", node_id="n"), Node("10.0.0.1", node_id="n")]
     calls = []
     status = Status(5, 10, "framework")
     group.kill = lambda rank: calls.append(("kill", rank))
-    group._spare, group._spare_node = "spare", ("the spare's node() call", "n")
-    group._take_spare = lambda rank: calls.append(("take_spare", rank)) or "spare"
-    group._answers = lambda ranks, method: {r: status for r in ranks}
-    group._take_state = lambda holders, avoid: (0, "state", status)
+    group.spare = SimpleNamespace(
+        take=lambda node_id: calls.append(("take_spare", node_id)) or ("spare", "the spare's node() call"),
+        start=lambda roster: calls.append(("start_spare",)))
+    group.forming = SimpleNamespace(
+        answers=lambda ranks, method: {r: status for r in ranks},
+        take_state=lambda holders, avoid: (0, "state", status),
+        form=lambda calls_, use_gpu: calls.append(("form", sorted(calls_))),
+        clear=lambda: None)
     # The spare's node() call, made as it started, says where it is: no second one to wait for.
-    group._wait_placed = lambda ranks, others, asked: calls.append(("wait_placed", asked)) or {
-        r: group.nodes[r] for r in ranks}
-    group._ready_joiners = lambda take: []
-    group._form_group = lambda form: calls.append(("form", sorted(form)))
-    group._start_spare = lambda: calls.append(("start_spare",))
+    group.slots = SimpleNamespace(
+        wait_placed=lambda roster, ranks, others, asked: calls.append(("wait_placed", asked)) or {
+            r: roster.nodes[r] for r in ranks},
+        ready_joiners=lambda take: [])
     reformed = group.reform([1])
-    assert calls == [("kill", 1), ("take_spare", 1), ("wait_placed", {1: "the spare's node() call"}),
+    assert calls == [("kill", 1), ("take_spare", "n"), ("wait_placed", {1: "the spare's node() call"}),
                      ("form", [0, 1]), ("start_spare",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"]

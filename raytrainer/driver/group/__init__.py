@@ -1,0 +1,304 @@
+"""The Ray edge: one Worker actor per reserved slot, driven as the contract's WorkerGroup.
+
+The controller drives any object with the `contract.WorkerGroup` interface; tests give it
+a fake one without a cluster. This one is split by concern:
+
+    actors    the Roster (actor, node and slot by rank), making and calling an actor, kill
+    slots     placement groups: the core group, an elastic run's extra slots, newcomers
+    spares    the warm spare, a worker process ready to replace a lost one
+    drains    nodes being drained, and replacements for the workers on them
+    forming   forming the process group, its hang checks, the state workers continue from
+
+and RayWorkerGroup here puts them together: the lifecycle (start, setup, launch, poll,
+shutdown), the control calls, and the re-forms after a failure, a pause or a drain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ...config import Config
+from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
+from ...errors import NoSurvivors, PlacementError
+from ..policy import choose_snapshot
+from ..storage_check import check_shared_storage
+from . import actors
+from .actors import Roster, control, gather, resources_text, start_worker, worker_bundle
+from .drains import Moves, draining_nodes
+from .forming import Forming
+from .slots import Slots
+from .spares import WarmSpare
+
+__all__ = ["RayWorkerGroup", "worker_bundle"]
+
+
+class RayWorkerGroup:
+    def __init__(self, config: Config, use_gpu: bool, *, cluster_can_grow: bool = True,
+                 run_dir: Path | None = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.use_gpu = use_gpu
+        self.bundle = worker_bundle(config, use_gpu)
+        self.roster = Roster()
+        self.slots = Slots(config, self.bundle, cluster_can_grow)
+        self.moves = Moves(config, self.bundle, self.slots)
+        self.spare = WarmSpare(config, self.bundle, enabled=config.failure.warm_spare and not use_gpu)
+        self.forming = Forming(config, self.roster, self.kill)
+        self._runs: list[Any] = []
+        self._pending: list[Any] = []
+        self._finished: dict[int, RunEnd] = {}
+        self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.roster.actors
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.roster.nodes
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> list[Node]:
+        """Reserve min_workers slots at once (and ask for the rest), start a worker in each
+        placed slot; return the workers' nodes."""
+        self.roster.slots = self.slots.reserve()
+        self.roster.actors = [start_worker(self.config, self.bundle, slot) for slot in self.roster.slots]
+        self.roster.nodes = gather([a.node.remote() for a in self.roster.actors])
+        return self.roster.nodes  # the warm spare starts once training runs (poll)
+
+    def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None:
+        """Fail now if workers on other nodes cannot see the run directory."""
+        if self.run_dir is None:
+            return None
+        return check_shared_storage(
+            self.run_dir, self.config.run.storage, nodes, ray.get_runtime_context().get_node_id(),
+            lambda path: gather([a.sees_file.remote(path) for a in self.roster.actors]),
+        )
+
+    def setup(self, resume: bytes | str | None = None) -> Formed:
+        """Form the process group and build the task on every worker, loading `resume`
+        (checkpoint bytes, put in the object store once for all workers, or a sharded
+        checkpoint's URI). Raises ReformFailed if a worker is lost meanwhile."""
+        self.forming.clear()
+        state = ray.put(resume) if resume is not None else None
+        results = self.forming.form({rank: (None, state) for rank in range(len(self.roster.actors))}, self.use_gpu)
+        total_steps, steps_per_epoch, replicated = results[0]
+        return Formed(list(self.roster.nodes), total_steps, steps_per_epoch, replicated)
+
+    def launch(self) -> None:
+        self._runs = [a.run.remote() for a in self.roster.actors]
+        self._pending = list(self._runs)
+        self._finished = {}
+        self._drain_ref = None
+
+    def poll(self, timeout: float) -> Poll:
+        """Wait up to `timeout` for any worker's run() to end; collect new metric rows, and
+        how each run() that ended did, if not by finishing."""
+        ready, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
+        self.spare.start(self.roster)  # started here, once training runs (spares.py)
+        if ready and self._pending:  # whatever else has ended too, without waiting
+            more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            ready += more
+        poll = Poll(*self._drain(timeout=1.0))
+        for ref in ready:
+            rank = self._runs.index(ref)
+            result = actors.outcome(self.roster, rank, ref)
+            if isinstance(result, Failure):
+                poll.failures.append(result)
+            elif result.status == "interrupted":
+                poll.failures.append(Failure(rank, "interrupted", result.cause, result.step, self.roster.ip(rank)))
+            elif result.status == "paused":
+                poll.paused[rank] = result
+            else:
+                self._finished[rank] = poll.finished[rank] = result
+        if len(self._finished) == len(self._runs) and not poll.failures:
+            poll.done = True
+            poll.result = self._finished[0]
+            rows, events = self._drain(timeout=30.0)
+            poll.rows += rows
+            poll.events += events
+        return poll
+
+    def shutdown(self) -> None:
+        for actor in self.roster.actors:
+            ray.kill(actor, no_restart=True)
+        self.moves.shutdown()
+        self.spare.shutdown()
+        self.slots.shutdown()  # its newcomers, and every placement group
+        self.forming.clear()
+        self.roster.actors, self.roster.slots = [], []
+        self._runs, self._pending, self._finished = [], [], {}
+
+    # ------------------------------------------------------------------ control
+
+    def status(self, timeout: float = 1.0) -> list[Status | None]:
+        """Each worker's progress (None: no answer within `timeout`, or dead)."""
+        return actors.ask(self.roster, range(len(self.roster.actors)), "status", timeout)
+
+    def dump_stacks(self, rank: int, timeout: float = 5.0) -> str | None:
+        return actors.ask(self.roster, [rank], "dump_stacks", timeout)[0]
+
+    def flight_record(self, rank: int, timeout: float = 5.0) -> bytes | None:
+        return actors.ask(self.roster, [rank], "flight_record", timeout)[0]
+
+    def abort(self, ranks: list[int]) -> None:
+        """Abort the NCCL communicators of `ranks` (a no-op on Gloo workers), so that they
+        stop waiting for a lost peer now, not at failure.collective_timeout_s."""
+        actors.ask(self.roster, ranks, "abort", timeout=5.0)
+
+    def kill(self, rank: int) -> None:
+        actors.kill(self.roster, rank)
+
+    def pause(self) -> None:
+        """Ask every worker to pause at a step boundary they agree on (run() returns "paused")."""
+        for actor in self.roster.actors:
+            control(actor, "request_pause").remote()
+
+    def joinable(self) -> int:
+        """Start a worker in every free slot the cluster has placed; return how many
+        started workers are ready to join at the next `reform`."""
+        return self.slots.start_joiners(self.roster.slots + self.moves.slots_in_use(), self.draining)
+
+    def draining(self) -> dict[str, float | None]:
+        return draining_nodes()
+
+    def replacements(self, ranks: list[int]) -> list[int]:
+        return self.moves.replacements(ranks)
+
+    # ------------------------------------------------------------------ re-forms
+
+    def reform(self, dead: list[int], leave: list[int] = ()) -> Reformed:
+        """Re-form the process group after a failure or a pause; every worker must have
+        stopped. The `dead` ranks get a new worker (the one started by `replacements` for
+        them, else the warm spare, else one in their slot) if one is placed in time
+        (policy.keep_waiting_for_placement), and are dropped otherwise. The `leave` ranks
+        (alive, on a draining node) give way to their replacement where it is up, and are
+        dropped otherwise. Workers ready to join are added. Ranks keep their order (the
+        remaining ones close up, newcomers come last). Every worker gets the state of the
+        survivor furthest ahead (one staying, among equals), unless it has it already; with
+        no survivor, the state secured by an earlier attempt of this recovery. Raises
+        NoSurvivors when there is neither, and ReformFailed when a worker is lost meanwhile
+        (call again with its `dead`)."""
+        scaling, roster = self.config.scaling, self.roster
+        world = len(roster.actors)
+        leave = [r for r in leave if r not in dead]
+        asked = self._replace(dead)
+        others = [r for r in range(world) if r not in dead]
+        answers = self.forming.answers(others, "status")
+        holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
+        source, state_ref, at = self.forming.take_state(holders, avoid=leave)
+        moved: dict[int, Node] = {}
+        for rank in leave:  # its state is secured: it goes, for its replacement if up
+            self.kill(rank)
+            node = self.moves.take(roster, rank) if rank in self.moves else None
+            if node is not None:
+                moved[rank] = node
+        staying = len(others) - len(leave) + len(moved)
+        placed = self.slots.wait_placed(roster, dead, staying + len(self.slots.ready_joiners(take=False)), asked)
+        for rank in dead:
+            if rank not in placed:  # its slot stays reserved: it may join later
+                ray.kill(roster.actors[rank], no_restart=True)
+        joiners = self.slots.ready_joiners(take=True)
+        placed.update(moved)
+        keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
+        self.moves.cancel_all()  # ranks are renumbered: replacements still wanted are asked again
+        if leave:
+            self.spare.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
+        roster.actors = [roster.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
+        roster.slots = [roster.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
+        roster.nodes = [placed.get(r) or roster.nodes[r] for r in keep] + [node for _, _, node in joiners]
+        if len(roster.actors) < scaling.min_workers:
+            raise PlacementError(
+                f"only {len(roster.actors)} workers could be placed within scaling.placement_timeout_s="
+                f"{scaling.placement_timeout_s:g} after losing rank(s) {dead}, fewer than "
+                f"scaling.min_workers={scaling.min_workers}; {resources_text()}. Add nodes, or "
+                "lower scaling.min_workers (or num_workers)"
+            )
+        # Holders regroup (taking the state only if behind); the others build the task from it.
+        calls = {}
+        for rank, old in enumerate(keep + [None] * len(joiners)):
+            if old in holders and old not in moved:
+                calls[rank] = (holders[old].position != at.position, state_ref)
+            else:
+                calls[rank] = (None, state_ref)
+        self.forming.form(calls, self.use_gpu)
+        self.forming.clear()
+        self.spare.start(roster)
+        return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
+                        state_from="memory" if source is not None else "object_store",
+                        replaced=sorted(r for r in placed if r in dead),
+                        dropped=[r for r in dead + leave if r not in placed], moved=sorted(moved),
+                        added=len(joiners),
+                        resynced=[r for r in holders if holders[r].position != at.position])
+
+    def reform_from_peers(self, dead: list[int]) -> Reformed:
+        """Sharded state: replace the `dead` ranks (the same slots, so the same world size)
+        and form the group again from the newest peer snapshot left of every rank's state
+        (policy.choose_snapshot): survivors load their own, each replacement the copy its
+        successor holds, which the driver secures first (forming.secure_copies). Every
+        worker builds its training state anew in the new group (a sharded model is bound to
+        the group it was sharded over); the run replays the steps since the snapshot.
+        Raises NoSurvivors when no snapshot serves or a replacement cannot be placed (a
+        checkpoint is the way back then), and ReformFailed when a worker is lost meanwhile."""
+        roster = self.roster
+        world = len(roster.actors)
+        asked = self._replace(dead)
+        others = [r for r in range(world) if r not in dead]
+        held = self.forming.answers(others, "snapshots_held")
+        secured = {rank: step for rank, (step, _) in self.forming.copies.items()}
+        step, why = choose_snapshot(world, dead, held, secured)
+        if step is None:
+            raise NoSurvivors(f"no peer snapshot serves: {why}")
+        loads, peers = self.forming.secure_copies(step, world, others, held)
+        placed = self.slots.wait_placed(roster, dead, len(others), asked)
+        missing = [r for r in dead if r not in placed]
+        if missing:
+            raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
+                              f"scaling.replace_timeout_s={self.config.scaling.replace_timeout_s:g}, and peer "
+                              "snapshots restore the same world size only")
+        roster.nodes = [placed.get(r) or roster.nodes[r] for r in range(world)]
+        self.forming.form({rank: (None, loads[rank]) for rank in range(world)}, self.use_gpu)
+        self.forming.clear()
+        self.spare.start(roster)
+        return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
+                        replaced=sorted(dead), snapshot_step=step, peers=peers)
+
+    def _replace(self, dead: list[int]) -> dict[int, Any]:
+        """Kill the `dead` ranks' workers and start their replacements: the one started for
+        a draining node's rank, else the warm spare, else a new worker in the rank's slot.
+        Returns, by rank, the node() call a replacement already answers or will (the spare's,
+        made as it started), for wait_placed: one call fewer to wait for."""
+        roster = self.roster
+        asked: dict[int, Any] = {}
+        for rank in dead:
+            self.kill(rank)
+            if rank in self.moves:  # its node was drained: its replacement is elsewhere
+                self.moves.take(roster, rank, wait=True)
+                continue
+            taken = self.spare.take(roster.nodes[rank].node_id)
+            if taken is not None:
+                roster.actors[rank], asked[rank] = taken
+            else:
+                roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
+        # The next spare starts once the group has formed (reform, reform_from_peers), not
+        # now: starting a process and importing torch took the cores the recovery needed
+        # (on 2 cores, it held up the spare taking over when that was still starting),
+        # and one started now would still be starting at a recovery's next attempt.
+        return asked
+
+    def _drain(self, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Rank 0's new rows and events. A call not answered within `timeout` (rank 0 is
+        frozen, or the machine busy) is collected at the next poll, never asked twice."""
+        if self._drain_ref is None:
+            self._drain_ref = control(self.roster.actors[0], "drain").remote()
+        if not ray.wait([self._drain_ref], timeout=timeout)[0]:
+            return [], []
+        ref, self._drain_ref = self._drain_ref, None
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError:
+            return [], []  # rank 0 died; its run() ref says why

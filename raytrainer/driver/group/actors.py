@@ -1,0 +1,169 @@
+"""Worker actors: making one in a slot, calling it, reading how a call ended, killing it.
+
+The group's workers by rank are a `Roster`: three lists kept in step (actor, node, slot),
+shared by the group's parts; a re-form renumbers all three at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from ...config import Config
+from ...contract import WORKER_ACTOR, Failure, Node
+from ...errors import PeerFailure, RaytrainerError, WorkerError
+from ...task import import_object
+
+# Calls the driver makes while run() trains or is blocked: a concurrency group of their
+# own, so that a worker stuck in a collective still answers them.
+CONTROL = "control"
+
+Slot = tuple[Any, int]
+"""A reserved place for one worker: (placement group, bundle index)."""
+
+
+@dataclass
+class Roster:
+    """The group's workers, by rank."""
+
+    actors: list[Any] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
+
+    def ip(self, rank: int) -> str | None:
+        return self.nodes[rank].ip if rank < len(self.nodes) else None
+
+
+def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
+    bundle = dict(config.scaling.resources_per_worker or {"CPU": 1})
+    if use_gpu:
+        bundle.setdefault("GPU", 1)
+    return {k: float(v) for k, v in bundle.items() if v}
+
+
+def start_worker(config: Config, bundle: dict[str, float], slot: Slot, spare: bool = False) -> Any:
+    """A worker actor in `slot`. A spare takes no resources: it waits, torch imported, beside
+    the slot's worker until it replaces a lost one."""
+    extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    pg, index = slot
+    return _remote_worker().options(
+        num_cpus=0 if spare else bundle.get("CPU", 0),
+        num_gpus=0 if spare else bundle.get("GPU", 0),
+        resources=None if spare else extra or None,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    ).remote(config.to_dict())
+
+
+def control(actor: Any, method: str) -> Any:
+    return getattr(actor, method).options(concurrency_group=CONTROL)
+
+
+def ask(roster: Roster, ranks: Iterable[int], method: str, timeout: float) -> list[Any]:
+    """A control call on each of `ranks`; None for those that did not answer in time."""
+    refs = [control(roster.actors[r], method).remote() for r in ranks]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=0))
+        except (GetTimeoutError, RayActorError, RayTaskError):
+            out.append(None)
+    return out
+
+
+def outcome(roster: Roster, rank: int, ref: Any) -> Any:
+    """What a call on `rank` returned, or the Failure it ended in."""
+    ip = roster.ip(rank)
+    try:
+        return ray.get(ref)
+    except RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        if isinstance(cause, PeerFailure):
+            return Failure(rank, "interrupted", str(cause), None, ip)
+        step = cause.step - 1 if isinstance(cause, WorkerError) and cause.step else None
+        message = cause.message if isinstance(cause, WorkerError) else f"{type(cause).__name__}: {cause}"
+        if not isinstance(cause, RaytrainerError):
+            cause = WorkerError(rank, message)
+        return Failure(rank, "error", message, step, ip, cause)
+    except RayActorError as exc:
+        return Failure(rank, "died", f"the worker process died ({type(exc).__name__}): "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''}", None, ip)
+
+
+def kill(roster: Roster, rank: int) -> None:
+    """Kill a worker now. ray.kill alone waits for a frozen (SIGSTOPed) process to exit
+    gracefully for RAY_kill_worker_timeout_milliseconds (5 s) before Ray kills it, and its
+    peers wait with it: a SIGKILL from another of our processes on its node (a peer's
+    control channel answers at once; else a task there, which may first have to start a
+    process) ends it in milliseconds."""
+    node = roster.nodes[rank] if rank < len(roster.nodes) else None
+    if node is not None and node.pid:
+        helpers = [a for r, a in enumerate(roster.actors) if r != rank and r < len(roster.nodes)
+                   and roster.nodes[r].node_id == node.node_id]
+        if helpers:
+            control(helpers[0], "kill_process").remote(node.pid)
+        elif node.node_id:
+            ray.remote(_sigkill).options(
+                num_cpus=0, max_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(node.pid)
+    ray.kill(roster.actors[rank], no_restart=True)
+
+
+def gather(refs: list[Any]) -> list[Any]:
+    """ray.get of all refs, but raise the first failure as soon as it happens (the other
+    workers may be blocked waiting for the failed one in a collective)."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        _get(ready[0], refs.index(ready[0]))
+    return [ray.get(r) for r in refs]
+
+
+def resources_text(free: bool = True) -> str:
+    """The cluster's schedulable resources, for error messages (placement groups' own
+    bundle resources and node labels left out)."""
+    total = ray.cluster_resources()
+    keys = sorted(k for k in total if not k.startswith(("node:", "accelerator_type:"))
+                  and "_group_" not in k and k not in ("memory", "object_store_memory"))
+    if not free:
+        return "the cluster has " + ", ".join(f"{k} {total[k]:g}" for k in keys) + " in total"
+    available = ray.available_resources()
+    return "the cluster has " + ", ".join(f"{k} {available.get(k, 0):g} free of {total[k]:g}" for k in keys)
+
+
+_REMOTE_WORKER: Any = None
+
+
+def _remote_worker() -> Any:
+    global _REMOTE_WORKER
+    if _REMOTE_WORKER is None:
+        actor = import_object(WORKER_ACTOR, "contract.WORKER_ACTOR")
+        _REMOTE_WORKER = ray.remote(concurrency_groups={CONTROL: 4})(actor)
+    return _REMOTE_WORKER
+
+
+def _sigkill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _get(ref: Any, rank: int) -> Any:
+    try:
+        return ray.get(ref)
+    except RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, RaytrainerError):
+            raise cause from None
+        raise WorkerError(rank, str(cause or exc)) from None
+    except RayActorError as exc:
+        raise WorkerError(rank, f"the worker process died ({exc.__class__.__name__}): {exc}") from None

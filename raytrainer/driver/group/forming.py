@@ -1,0 +1,187 @@
+"""Forming a process group over the roster's workers, and the state they continue from.
+
+Rank 0 hosts the group's store (its `rendezvous`), then every worker is asked to join: a
+new one builds the task (`setup`), one that trained in the last group keeps its state
+(`regroup`, taking the state it is given if it was behind). A worker that fails, freezes
+or never reaches the rendezvous meanwhile is found (`wait_answering`) and killed, and the
+attempt raises ReformFailed for the controller to count and try again.
+
+During a recovery the state to continue from is secured first, in the object store: a
+survivor's state (`take_state`; the worker creates the object, the driver holds its
+reference until the group has formed), or for sharded state the copies of lost ranks' peer
+snapshots (`secure_copies`). A second failure meanwhile, even of every survivor, does not
+lose them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from ...config import Config
+from ...contract import Failure, Holdings, ReformFailed, Snapshot, Status
+from ...errors import NoSurvivors
+from ..policy import choose_state
+from .actors import Roster, ask, outcome
+
+
+class Forming:
+    # After one worker's call failed while the group formed, how long the others get to
+    # return (they fail at once where the lost peer had connected) before those still
+    # blocked waiting for it are killed.
+    FORM_GRACE_S = 2.0
+
+    def __init__(self, config: Config, roster: Roster, kill: Callable[[int], None]):
+        self.config, self.roster, self.kill = config, roster, kill
+        # The state every worker is to continue from, once taken from a survivor, with that
+        # survivor's status; kept until the group has re-formed.
+        self.secured: tuple[Status, Any] | None = None
+        # The same for sharded state: rank -> (step, its peer snapshot's reference), for the
+        # lost ranks whose copy was taken from its holder.
+        self.copies: dict[int, tuple[int, Any]] = {}
+
+    def clear(self) -> None:
+        self.secured, self.copies = None, {}
+
+    def answers(self, ranks: list[int], method: str) -> dict[int, Any]:
+        """A control call on each of `ranks`, which must all answer: one that does not is
+        dead or frozen, killed, and replaced at the next attempt (ReformFailed)."""
+        answers = dict(zip(ranks, ask(self.roster, ranks, method, timeout=10.0)))
+        silent = [r for r, a in answers.items() if a is None]
+        if silent:
+            for rank in silent:
+                self.kill(rank)
+            raise ReformFailed([Failure(r, "hung", "did not answer while the group re-formed", None,
+                                        self.roster.ip(r)) for r in silent], silent)
+        return answers
+
+    def take_state(self, holders: dict[int, Status], avoid: list[int] = ()) -> tuple[int | None, Any, Status]:
+        """The state to continue from: the furthest survivor's (not one of `avoid` among
+        equals), put in the object store by that worker and kept there until the group has
+        re-formed, else one secured earlier."""
+        source, take = choose_state(holders, self.secured[0] if self.secured else None, avoid=avoid)
+        if not take:
+            if self.secured is None:
+                raise NoSurvivors("no worker survived")
+            at, ref = self.secured
+            return source, ref, at
+        at = holders[source]
+        ref = self.roster.actors[source].get_state.remote()
+        _, failures, _ = self.wait_answering({ref: source}, grace_s=0.0)
+        if failures:
+            self.kill(source)
+            raise ReformFailed(failures, [source])
+        self.secured = (at, ref)
+        return source, ref, at
+
+    def secure_copies(self, step: int, world: int, others: list[int],
+                      held: dict[int, Holdings]) -> tuple[dict[int, Any], dict[int, int]]:
+        """What each rank loads to go back to the peer snapshots of `step`: its own (a
+        survivor holding it), else a copy secured earlier, else the copy its successor in
+        the ring holds, secured now. Returns (rank -> what it loads, rank -> the holder of
+        the copy it loads)."""
+        loads: dict[int, Any] = {}
+        peers: dict[int, int] = {}
+        fetch: dict[Any, int] = {}  # a holder's answer -> the rank whose copy it gives
+        for rank in range(world):
+            if rank in others and step in held[rank].own:
+                loads[rank] = Snapshot(step, rank)  # its own, in its memory
+            elif rank in self.copies and self.copies[rank][0] == step:
+                loads[rank] = self.copies[rank][1]
+            else:
+                peers[rank] = (rank + 1) % world
+                ok, loads[rank] = self.roster.actors[peers[rank]].peer_snapshot.options(num_returns=2).remote(step)
+                fetch[ok] = rank
+        # The small answer says whether the copy is there; the copy itself stays in the
+        # object store (owned here) for the replacement to load.
+        _, failures, _ = self.wait_answering({ok: peers[rank] for ok, rank in fetch.items()}, grace_s=0.0)
+        failed = sorted({f.rank for f in failures})
+        for rank in fetch.values():
+            if peers[rank] not in failed:
+                self.copies[rank] = (step, loads[rank])
+        if failures:
+            for holder in failed:
+                self.kill(holder)
+            raise ReformFailed(failures, failed)
+        return loads, peers
+
+    def form(self, calls: dict[int, tuple[bool | None, Any]], use_gpu: bool) -> dict[int, Any]:
+        """Form the group over all the roster's actors: per rank (None: build the task with
+        `setup`; True/False: `regroup`, taking the state or not) and the state's reference.
+        Returns each rank's result. If a call fails, the others get FORM_GRACE_S to return,
+        those still blocked (waiting for the lost peer) are killed, and ReformFailed says
+        who."""
+        actors = self.roster.actors
+        world = len(actors)
+        refs: dict[Any, int] = {}
+        # Waited for like the forming calls below, with the same hang check: a rank 0 that
+        # froze (or never answers) would otherwise hold the driver here for ever.
+        where, failures, _ = self.wait_answering({actors[0].rendezvous.remote(): 0}, grace_s=0.0)
+        if failures:
+            self.kill(0)
+            raise ReformFailed(failures, [0])
+        addr, port = where[0]
+        for rank, (take, state) in calls.items():
+            if take is None:
+                refs[actors[rank].setup.remote(rank, world, addr, port, use_gpu, state)] = rank
+            else:
+                refs[actors[rank].regroup.remote(rank, world, addr, port, state if take else None)] = rank
+        results, failures, pending = self.wait_answering(refs, grace_s=self.FORM_GRACE_S)
+        if not failures:
+            return results
+        lost = sorted({f.rank for f in failures if f.kind != "interrupted"} | set(pending))
+        for rank in lost:
+            self.kill(rank)
+        raise ReformFailed(failures, lost)
+
+    def wait_answering(self, refs: dict[Any, int], grace_s: float) -> tuple[dict[int, Any], list[Failure], list[int]]:
+        """Wait for the calls `refs` (ref -> rank) to return: their results and failures,
+        and the ranks still pending. After the first failure the others get `grace_s`. A
+        worker frozen meanwhile would hold the others (in a rendezvous, until
+        failure.collective_timeout_s) or this wait: one that has not answered its control
+        channel for step_timeout_s is hung. So is one that answers but has not reached the
+        group's rendezvous for step_timeout_s while a peer has waited there as long (stuck
+        in its own code, or its call never started): the peers wait for it, not the
+        reverse, and would otherwise wait failure.collective_timeout_s."""
+        results: dict[int, Any] = {}
+        failures: list[Failure] = []
+        pending, deadline = list(refs), None
+        answered = {rank: time.monotonic() for rank in refs.values()}  # when each last answered
+        # rank -> (before, in or past the rendezvous, since when it was seen there)
+        where = {rank: ("before", time.monotonic()) for rank in refs.values()}
+        timeout_s = self.config.failure.step_timeout_s
+        while pending and (deadline is None or time.monotonic() < deadline):
+            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in ready:
+                result = outcome(self.roster, refs[ref], ref)
+                if isinstance(result, Failure):
+                    failures.append(result)
+                    deadline = deadline or time.monotonic() + grace_s
+                else:
+                    results[refs[ref]] = result
+            if ready or timeout_s is None:
+                continue
+            waiting, now = [refs[ref] for ref in pending], time.monotonic()
+            for rank, status in zip(waiting, ask(self.roster, waiting, "status", timeout=1.0)):
+                if status is not None:
+                    answered[rank] = now
+                    at = {"joining": "in", "joined": "past"}.get(status.forming, "before")
+                    if at != where[rank][0]:
+                        where[rank] = (at, now)
+                elif now - answered[rank] > timeout_s and rank not in {f.rank for f in failures}:
+                    failures.append(Failure(rank, "hung", f"did not answer for {timeout_s:g} s "
+                                            "(failure.step_timeout_s) while the group re-formed", None,
+                                            self.roster.ip(rank)))
+                    deadline = deadline or now + grace_s
+            if any(where[r][0] == "in" and now - where[r][1] > timeout_s for r in waiting):
+                for rank in waiting:
+                    if (where[rank][0] == "before" and now - where[rank][1] > timeout_s
+                            and now - answered[rank] < timeout_s and rank not in {f.rank for f in failures}):
+                        failures.append(Failure(rank, "hung", f"did not reach the group's rendezvous for "
+                                                f"{timeout_s:g} s (failure.step_timeout_s) while its peers "
+                                                "waited there", None, self.roster.ip(rank)))
+                        deadline = deadline or now + grace_s
+        return results, failures, [refs[ref] for ref in pending]
