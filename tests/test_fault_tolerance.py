@@ -120,7 +120,7 @@ def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, 
     assert [(f["kind"], f["rank"]) for f in failed] == [("hung", 1), ("error", 0)]
     assert "failure.step_timeout_s" in failed[0]["cause"] and "ChaosError" in failed[1]["cause"]
     stacks = list((tmp_path / "hang").glob("stacks-rank1-step*.txt"))
-    assert len(stacks) == 1 and "raytrainer/chaos.py" in stacks[0].read_text()  # where it hung
+    assert len(stacks) == 1 and "raytrainer/worker/chaos.py" in stacks[0].read_text()  # where it hung
     # Beside them, torch's flight record of its last collectives (Gloo here; NCCL on GPUs).
     record = json.loads(stacks[0].with_name(stacks[0].name.replace("stacks", "collectives")
                                             .replace(".txt", ".json")).read_text())

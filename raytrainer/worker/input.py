@@ -13,7 +13,7 @@ and its step count; what it gets does not depend on how they are read:
   (a recovery, a resize, a resume, an interrupted step) the loader starts again at the
   new position (`reset`, or a position that is not the one it prepared).
 - iterable datasets (`torch.utils.data.IterableDataset`, streams): see StreamInput.
-- Ray Data datasets: raytrainer/raydata.py (Ray is imported only there).
+- Ray Data datasets: raytrainer/worker/raydata.py (Ray is imported only there).
 
 Loader processes are started with the "forkserver" method, not "fork": a Ray actor
 runs Ray's core-worker and gRPC threads and, while training, a Gloo group with its
