@@ -6,7 +6,7 @@ import pytest
 
 from raytrainer.config import FailureConfig
 from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd
-from raytrainer.driver.controller import Controller, State
+from raytrainer.driver.controller import Controller, ControllerSettings, Records, State
 from raytrainer.errors import ConfigError, WorkerError
 from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.driver.policy import FailuresExceeded
@@ -66,7 +66,7 @@ def rows(*steps):
 def make(tmp_path, group):
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
-    return Controller(group, 2, hub, events, poll_interval_s=0), hub, events
+    return Controller(group, ControllerSettings(min_workers=2, poll_interval_s=0), Records(hub=hub, events=events)), hub, events
 
 
 def read(path):
@@ -156,7 +156,8 @@ def test_room_to_grow_pauses_the_workers_and_reforms_the_group(tmp_path):
                           Poll(rows(3), done=True, result=WEIGHTS)])
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
-    controller = Controller(group, 2, hub, events, poll_interval_s=0, max_workers=3, grow_check_s=0)
+    settings = ControllerSettings(min_workers=2, max_workers=3, poll_interval_s=0, grow_check_s=0)
+    controller = Controller(group, settings, Records(hub=hub, events=events))
     assert controller.run() == WEIGHTS
     events.close()
     # Asked once (no second pause while the first is under way), reformed once all paused.
@@ -224,8 +225,9 @@ def interrupted(rank, step=1):
 def recovering(tmp_path, group, max_failures, restore=None):
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
-    controller = Controller(group, 2, hub, events, poll_interval_s=0, restore=restore,
-                            failure=FailureConfig(max_failures=max_failures, step_timeout_s=None))
+    settings = ControllerSettings(min_workers=2, poll_interval_s=0,
+                                  failure=FailureConfig(max_failures=max_failures, step_timeout_s=None))
+    controller = Controller(group, settings, Records(hub=hub, events=events), restore=restore)
     return controller, events
 
 
@@ -343,9 +345,9 @@ def test_sharded_state_with_no_peer_snapshot_to_go_back_to_restarts_from_the_new
                          [NoSurvivors("no peer snapshot serves: rank 0 was lost together with rank 1")])
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
-    controller = Controller(group, 2, hub, events, poll_interval_s=0, restore=lambda: checkpoint,
-                            failure=FailureConfig(max_failures=1, step_timeout_s=None,
-                                                  snapshot_every_n_steps=10 if snapshots else 0))
+    failure = FailureConfig(max_failures=1, step_timeout_s=None, snapshot_every_n_steps=10 if snapshots else 0)
+    controller = Controller(group, ControllerSettings(min_workers=2, poll_interval_s=0, failure=failure),
+                            Records(hub=hub, events=events), restore=lambda: checkpoint)
     assert controller.run() == WEIGHTS
     events.close()
     # The whole group restarts, every worker reading its shards.

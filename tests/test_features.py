@@ -8,7 +8,7 @@ import torch
 from raytrainer.config import EarlyStoppingConfig, LRScheduleConfig, TrainerConfig
 from raytrainer.data import BatchPlan
 from raytrainer.errors import ConfigError
-from raytrainer.worker.loop import Loop
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 from raytrainer.worker.schedule import lr_multiplier
 
 from .tasks import FeatureTask, RegressionTask
@@ -18,8 +18,8 @@ def make_loop(task=None, rows=None, **trainer):
     trainer.setdefault("max_steps", 4)
     trainer.setdefault("global_batch_size", 32)
     sink = rows if rows is not None else []
-    return Loop(task or FeatureTask(), TrainerConfig(**trainer), rank=0, world_size=1,
-                device=torch.device("cpu"), report=sink.extend)
+    return Loop(task or FeatureTask(), LoopSettings(trainer=TrainerConfig(**trainer)), Outlets(report=sink.extend),
+                rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def params(module):

@@ -9,7 +9,7 @@ from raytrainer.config import DataConfig, TrainerConfig, load_config
 from raytrainer.data import BatchPlan, fetch
 from raytrainer.errors import ConfigError, TaskError
 from raytrainer.worker.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
-from raytrainer.worker.loop import Loop
+from raytrainer.worker.loop import Loop, LoopSettings
 
 from .conftest import assert_no_loader_processes
 from .tasks import BadInputTask, RegressionStream, RegressionTask, StreamTask
@@ -17,8 +17,8 @@ from .tasks import BadInputTask, RegressionStream, RegressionTask, StreamTask
 
 def loop(task, data=None, state=None, **trainer):
     cfg = TrainerConfig(**{"max_steps": 12, "global_batch_size": 16, "micro_batch_size": 5, **trainer})
-    return Loop(task, cfg, rank=0, world_size=1, device=torch.device("cpu"), report=lambda rows: None,
-                data=DataConfig(**(data or {})), state=state)
+    return Loop(task, LoopSettings(trainer=cfg, data=DataConfig(**(data or {}))), rank=0, world_size=1,
+                device=torch.device("cpu"), state=state)
 
 
 def same(a, b):

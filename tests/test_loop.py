@@ -5,7 +5,7 @@ import torch
 
 from raytrainer.config import TrainerConfig
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.worker.loop import Loop
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 
 from .tasks import RegressionTask
 
@@ -14,8 +14,8 @@ def make_loop(task=None, rows=None, **trainer):
     trainer.setdefault("max_steps", 4)
     cfg = TrainerConfig(global_batch_size=32, **trainer)
     sink = rows if rows is not None else []
-    return Loop(task or RegressionTask(), cfg, rank=0, world_size=1, device=torch.device("cpu"),
-                report=sink.extend)
+    return Loop(task or RegressionTask(), LoopSettings(trainer=cfg), Outlets(report=sink.extend), rank=0, world_size=1,
+                device=torch.device("cpu"))
 
 
 def test_one_row_per_step_then_validation():
@@ -72,9 +72,9 @@ def per_worker_loop(rows=None, base_world_size=2, state=None, max_world_size=Non
     given for `base_world_size` workers (scaling.num_workers)."""
     cfg = TrainerConfig(global_batch_size=32, batch_policy="per_worker", **trainer)
     sink = rows if rows is not None else []
-    return Loop(RegressionTask(num_samples=100), cfg, rank=0, world_size=1, device=torch.device("cpu"),
-                report=sink.extend, base_world_size=base_world_size, state=state,
-                max_world_size=max_world_size)
+    settings = LoopSettings(trainer=cfg, base_world_size=base_world_size, max_world_size=max_world_size)
+    return Loop(RegressionTask(num_samples=100), settings, Outlets(report=sink.extend), rank=0, world_size=1,
+                device=torch.device("cpu"), state=state)
 
 
 def test_per_worker_policy_keeps_the_worker_batch_and_scales_the_lr():
@@ -91,8 +91,9 @@ def test_per_worker_policy_keeps_the_worker_batch_and_scales_the_lr():
     assert loop.optimizer.param_groups[0]["lr"] == 0.05  # the optimizer keeps its own LR
 
     # The same maths as a fixed batch of 16 at the LR scaled by hand.
-    fixed = Loop(RegressionTask(num_samples=100, lr=0.025), TrainerConfig(global_batch_size=16, max_epochs=2),
-                 rank=0, world_size=1, device=torch.device("cpu"), report=[].extend)
+    fixed = Loop(RegressionTask(num_samples=100, lr=0.025),
+                 LoopSettings(trainer=TrainerConfig(global_batch_size=16, max_epochs=2)),
+                 rank=0, world_size=1, device=torch.device("cpu"))
     expected = fixed.fit()
     assert all(torch.equal(weights[k], expected[k]) for k in weights)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raytrainer.contract import Node, Poll, Reformed, RunEnd, Status
-from raytrainer.driver.controller import Controller
+from raytrainer.driver.controller import Controller, ControllerSettings, Records
 from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.driver.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
 
@@ -120,8 +120,8 @@ def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_
     group = DrainedGroup([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
                           Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)])
     events = EventLog(tmp_path / "events.jsonl")
-    controller = Controller(group, 2, MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events,
-                            poll_interval_s=0, drain_check_s=0)
+    controller = Controller(group, ControllerSettings(min_workers=2, poll_interval_s=0, drain_check_s=0),
+                            Records(hub=MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events=events))
     assert controller.run() == done
     events.close()
     calls = [c for c in group.calls if c[0] in ("replacements", "pause", "reform")]
@@ -155,8 +155,10 @@ def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
     group = NoRoom([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
                     Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)], ready_after=99)
     events = EventLog(tmp_path / "events.jsonl")
-    controller = Controller(group, 1, MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]), events, poll_interval_s=0,
-                            drain_check_s=0, max_workers=2, grow_check_s=99, replace_timeout_s=0)
+    settings = ControllerSettings(min_workers=1, max_workers=2, poll_interval_s=0, drain_check_s=0, grow_check_s=99,
+                                  replace_timeout_s=0)
+    controller = Controller(group, settings, Records(hub=MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]),
+                                                     events=events))
     controller.run()
     events.close()
     log = read(tmp_path / "events.jsonl")

@@ -9,7 +9,7 @@ import torch
 from raytrainer.config import FailureConfig, TrainerConfig
 from raytrainer.contract import Holdings
 from raytrainer.errors import ConfigError
-from raytrainer.worker.loop import Loop
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 from raytrainer.driver.policy import choose_snapshot
 from raytrainer.worker.snapshot import PeerSnapshots, check_memory
 
@@ -63,8 +63,8 @@ CFG = {"global_batch_size": 24, "micro_batch_size": 4, "grad_clip_norm": 0.5, "e
 
 def _loop(rank, world, steps, snapshots=None, state=None):
     cfg = TrainerConfig(max_steps=steps, **CFG)
-    return Loop(RegressionTask(dropout=0.1), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
-                report=lambda rows: None, snapshots=snapshots, state=state)
+    return Loop(RegressionTask(dropout=0.1), LoopSettings(trainer=cfg), Outlets(snapshots=snapshots), rank=rank,
+                world_size=world, device=torch.device("cpu"), state=state)
 
 
 def _straight(rank, world, steps):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raytrainer.config import TrainerConfig
-from raytrainer.worker.loop import Loop
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask
@@ -30,7 +30,8 @@ def _train(rank, world, task, strategy, **trainer):
     rows = []
     trainer = {"global_batch_size": 16, **trainer}
     cfg = TrainerConfig(max_steps=4, val_every_n_steps=4, strategy=strategy, **trainer)
-    loop = Loop(task, cfg, rank=rank, world_size=world, device=torch.device("cpu"), report=rows.extend)
+    loop = Loop(task, LoopSettings(trainer=cfg), Outlets(report=rows.extend), rank=rank, world_size=world,
+                device=torch.device("cpu"))
     weights = loop.fit()
     return weights, rows, type(loop.module).__name__
 
@@ -70,8 +71,8 @@ def _pause(rank, world, storage):
 
     cfg = TrainerConfig(max_steps=6, global_batch_size=16, strategy="fsdp")
     checkpoints = Checkpoints(Storage(storage), "run", CheckpointConfig())
-    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
-                report=lambda rows: None, checkpoints=checkpoints)
+    loop = Loop(RegressionTask(), LoopSettings(trainer=cfg), Outlets(checkpoints=checkpoints), rank=rank,
+                world_size=world, device=torch.device("cpu"))
     loop.pause_requested = rank == 0  # the driver asked rank 0; every rank learns it in a reduction
     assert loop.fit() is None and loop.paused
     return loop.step, [(c.step, c.manifest["format"]) for c in checkpoints.committed()]
@@ -79,8 +80,8 @@ def _pause(rank, world, storage):
 
 def _resume(rank, world, uri, steps):
     cfg = TrainerConfig(max_steps=steps, global_batch_size=16, strategy="fsdp")
-    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
-                report=lambda rows: None, state=uri)
+    loop = Loop(RegressionTask(), LoopSettings(trainer=cfg), rank=rank, world_size=world, device=torch.device("cpu"),
+                state=uri)
     start = loop.step
     return start, loop.fit()
 
@@ -104,5 +105,5 @@ def test_resuming_with_another_strategy_than_the_checkpoints_is_a_config_error(t
 
     cfg = TrainerConfig(max_steps=2, global_batch_size=16)
     with pytest.raises(ConfigError, match="is sharded .* this run has trainer.strategy=ddp"):
-        Loop(RegressionTask(), cfg, rank=0, world_size=1, device=torch.device("cpu"), report=lambda rows: None,
+        Loop(RegressionTask(), LoopSettings(trainer=cfg), rank=0, world_size=1, device=torch.device("cpu"),
              state=str(tmp_path / "step-00000002"))

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from raytrainer.config import TrainerConfig
-from raytrainer.worker.loop import Loop
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 from raytrainer.worker.strategy import DDP
 
 from .dist_procs import run_ranks
@@ -19,8 +19,8 @@ def _train(rank, world, how, **trainer):
         torch.nn.parallel.DistributedDataParallel.register_comm_hook = lambda *args: None
     rows = []
     cfg = TrainerConfig(max_steps=7, global_batch_size=16, **trainer)
-    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
-                report=rows.extend)
+    loop = Loop(RegressionTask(), LoopSettings(trainer=cfg), Outlets(report=rows.extend), rank=rank, world_size=world,
+                device=torch.device("cpu"))
     if how == "hookless":
         loop.strategy.carrier = None
     carried = loop.strategy.carrier is not None
@@ -45,8 +45,7 @@ def test_carried_metrics_match_a_window_reduction_and_leave_the_weights_bit_iden
 
 def _pause(rank, world, log_every):
     cfg = TrainerConfig(max_steps=20, global_batch_size=16, log_every_n_steps=log_every)
-    loop = Loop(RegressionTask(), cfg, rank=rank, world_size=world, device=torch.device("cpu"),
-                report=lambda rows: None)
+    loop = Loop(RegressionTask(), LoopSettings(trainer=cfg), rank=rank, world_size=world, device=torch.device("cpu"))
     loop.pause_requested = rank == 1  # the driver asked rank 1 only
     assert loop.strategy.carrier is not None
     assert loop.fit() is None and loop.paused

@@ -17,7 +17,7 @@ from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, load_checkpoint_dir
 from ..config import Config, dump_config, load_config
 from ..contract import Resume
-from .controller import Controller
+from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError
 from .loggers import build_loggers
 from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
@@ -198,11 +198,10 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
                                run_dir=run_dir if storage.local else None)
         driver_callbacks = Callbacks(own_callbacks + callbacks + ([upload] if upload else [])
                                      + ([_CheckpointArtifacts(hub)] if storage.local else []))
-        controller = Controller(group, config.scaling.min_workers, hub, events, progress=bar,
-                                callbacks=driver_callbacks, context=RunContext(run_dir, config), resume=resume,
-                                failure=config.failure, restore=lambda: _latest(config, storage),
-                                max_workers=config.scaling.max_workers,
-                                replace_timeout_s=config.scaling.replace_timeout_s)
+        records = Records(hub=hub, events=events, progress=bar, callbacks=driver_callbacks,
+                          context=RunContext(run_dir, config))
+        controller = Controller(group, ControllerSettings.of(config), records, resume=resume,
+                                restore=lambda: _latest(config, storage))
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
         tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch

@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
-
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..callbacks import Callbacks, RunContext
-from ..config import FailureConfig
+from ..config import Config, FailureConfig
 from ..contract import Failure, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
 from ..errors import NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
@@ -64,40 +63,68 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ControllerSettings:
+    """What the config tells the controller, and how often it looks (tests set 0)."""
+
+    min_workers: int
+    """scaling.min_workers (num_workers for a fixed-size run)."""
+    max_workers: int | None = None
+    """scaling.max_workers: an elastic run grows up to it; default min_workers."""
+    failure: FailureConfig = field(default_factory=lambda: FailureConfig(max_failures=0, step_timeout_s=None))
+    replace_timeout_s: float = 10.0
+    """scaling.replace_timeout_s: how long a drain waits for replacements."""
+    poll_interval_s: float = 0.2
+    grow_check_s: float = 1.0
+    """How often to look for room to grow."""
+    drain_check_s: float = 1.0
+    """How often to look for draining nodes."""
+
+    @classmethod
+    def of(cls, config: Config) -> ControllerSettings:
+        scaling = config.scaling
+        return cls(min_workers=scaling.min_workers, max_workers=scaling.max_workers, failure=config.failure,
+                   replace_timeout_s=scaling.replace_timeout_s)
+
+
+@dataclass(kw_only=True)
+class Records:
+    """Where the controller writes what happens: metric rows (the hub: metrics.jsonl, the
+    loggers), lifecycle events, the progress line, and driver callbacks with their context."""
+
+    hub: MetricsHub
+    events: EventLog
+    progress: Any = None
+    callbacks: Callbacks = field(default_factory=lambda: Callbacks([]))
+    context: RunContext = field(default_factory=lambda: RunContext(run_dir=None, config=None))
+
+
 class Controller:
-    def __init__(self, group: WorkerGroup, num_workers: int, hub: MetricsHub, events: EventLog,
-                 *, poll_interval_s: float = 0.2, progress: Any = None,
-                 callbacks: Callbacks | None = None, context: RunContext | None = None,
-                 resume: Resume | None = None, failure: FailureConfig | None = None,
-                 restore: Callable[[], Resume | None] | None = None,
-                 max_workers: int | None = None, grow_check_s: float = 1.0,
-                 replace_timeout_s: float = 10.0, drain_check_s: float = 1.0):
+    def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
+                 resume: Resume | None = None, restore: Callable[[], Resume | None] | None = None):
         self.group = group
         self.resume = resume  # (step, checkpoint name, state bytes) to start from
-        self.failure = failure or FailureConfig(max_failures=0, step_timeout_s=None)
+        self.failure = settings.failure
         self.policy = FailurePolicy(self.failure.max_failures)
         self.restore = restore or (lambda: None)  # the newest committed checkpoint, if any
-        self.num_workers = num_workers  # min_workers of an elastic run
-        self.max_workers = max_workers or num_workers
+        self.num_workers = settings.min_workers
+        self.max_workers = settings.max_workers or settings.min_workers
         self.world = 0  # the current world size
         self._replicated = True  # whether every worker holds the whole state (Formed)
         self._nodes: list[Node] = []  # where each rank runs
-        self.grow_check_s = grow_check_s  # how often to look for room to grow
+        self.grow_check_s = settings.grow_check_s
         self._grow_at = 0.0
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
-        self.replace_timeout_s = replace_timeout_s  # how long a drain waits for replacements
-        self.drain_check_s = drain_check_s  # how often to look for draining nodes
+        self.replace_timeout_s = settings.replace_timeout_s
+        self.drain_check_s = settings.drain_check_s
         self._drain_at = 0.0
         self._noticed: dict[str, float] = {}  # draining node id -> when we first saw it
         self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
         self._rows_at: list[tuple[float, int]] = []  # (when, step) of the last training rows
-        self.hub = hub
-        self.events = events
-        self.poll_interval_s = poll_interval_s
-        self.progress = progress
-        self.callbacks = callbacks or Callbacks([])
-        self.ctx = context or RunContext(run_dir=None, config=None)
+        self.hub, self.events, self.progress = records.hub, records.events, records.progress
+        self.poll_interval_s = settings.poll_interval_s
+        self.callbacks, self.ctx = records.callbacks, records.context
         self.state = State.STARTING
         self.step = 0
         self.result: Any = None

@@ -90,7 +90,7 @@ class Worker:
         trained in an earlier group starts over in this one. Returns (total steps, steps
         per epoch, whether the state is replicated)."""
         from .dist import choose_backend, choose_device, init_group
-        from .loop import Loop
+        from .loop import Loop, LoopSettings, Outlets
 
         self.rank = rank
         cfg = self.config
@@ -111,13 +111,11 @@ class Worker:
             init_group(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
             self._forming = "joined"
             callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
-            self.loop = Loop(task, cfg.trainer, rank=rank, world_size=world_size, device=device,
-                             report=self._push, callbacks=callbacks, checkpoints=self._checkpoints(),
-                             checkpoint_cfg=cfg.checkpoint, notify=self._notify, chaos=cfg.failure.chaos,
-                             chaos_claim=self._chaos_claim, max_world_size=cfg.scaling.max_workers,
-                             base_world_size=cfg.scaling.num_workers, data=cfg.data,
-                             state=_load(resume) if isinstance(resume, bytes) else resume,
-                             snapshots=self.snapshots)
+            outlets = Outlets(report=self._push, notify=self._notify, callbacks=callbacks,
+                              checkpoints=self._checkpoints(), chaos_claim=self._chaos_claim,
+                              snapshots=self.snapshots)
+            self.loop = Loop(task, LoopSettings.of(cfg), outlets, rank=rank, world_size=world_size, device=device,
+                             state=_load(resume) if isinstance(resume, bytes) else resume)
             return self.loop.total_steps, self.loop.plan.steps_per_epoch, self.loop.strategy.replicated
 
     def run(self) -> RunEnd:

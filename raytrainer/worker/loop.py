@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -44,7 +45,7 @@ import torch
 from ..callbacks import Callbacks
 from .chaos import Chaos
 from ..checkpoint import Checkpoints, Committed
-from ..config import ChaosFault, CheckpointConfig, DataConfig, TrainerConfig
+from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TrainerConfig
 from ..contract import Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
@@ -64,24 +65,55 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L
               "A10": 125e12, "V100": 125e12}
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoopSettings:
+    """What the config tells a rank's loop, beyond the trainer section."""
+
+    trainer: TrainerConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    chaos: tuple[ChaosFault, ...] = ()
+    base_world_size: int | None = None
+    """scaling.num_workers: the world size global_batch_size and the LR are given for (what
+    the per_worker batch policy scales from); default the world size."""
+    max_world_size: int | None = None
+    """scaling.max_workers: what an elastic run may grow to."""
+
+    @classmethod
+    def of(cls, config: Config) -> LoopSettings:
+        return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
+                   chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
+                   max_world_size=config.scaling.max_workers)
+
+
+@dataclass(kw_only=True)
+class Outlets:
+    """What the loop sends out, and asks of the process it runs in (the worker actor; tests
+    give lists): rank 0's metric rows (`report`), lifecycle events for the driver's log
+    (`notify`), worker callbacks, the run's checkpoints, the once-per-run claim of a chaos
+    fault, and the peer snapshots kept across groups (sharded state)."""
+
+    report: Report = field(default=lambda rows: None)
+    notify: Callable[[dict[str, Any]], None] = field(default=lambda event: None)
+    callbacks: Callbacks = field(default_factory=lambda: Callbacks([]))
+    checkpoints: Checkpoints | None = None
+    chaos_claim: Callable[[int, int], bool] | None = None
+    snapshots: PeerSnapshots | None = None
+
+
 class Loop:
-    def __init__(self, task: Task, cfg: TrainerConfig, *, rank: int, world_size: int,
-                 device: torch.device, report: Report, callbacks: Callbacks | None = None,
-                 checkpoints: Checkpoints | None = None, checkpoint_cfg: CheckpointConfig | None = None,
-                 notify: Callable[[dict[str, Any]], None] | None = None,
-                 chaos: list[ChaosFault] | None = None, chaos_claim: Callable[[int, int], bool] | None = None,
-                 state: dict[str, Any] | str | None = None, max_world_size: int | None = None,
-                 base_world_size: int | None = None, data: DataConfig | None = None,
-                 snapshots: PeerSnapshots | None = None):
+    def __init__(self, task: Task, settings: LoopSettings, outlets: Outlets | None = None, *, rank: int,
+                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | None = None):
+        cfg, outlets = settings.trainer, outlets or Outlets()
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         # scaling.num_workers: the world size global_batch_size and the LR are given for
         # (what the per_worker batch policy scales from).
-        self.base_world_size = base_world_size or world_size
-        self._report = report
-        self.notify = notify or (lambda event: None)  # lifecycle events for the driver's log
-        self.callbacks = callbacks or Callbacks([])
-        most = max(world_size, max_world_size or 0)  # what an elastic run may grow to
+        self.base_world_size = settings.base_world_size or world_size
+        self._report = outlets.report
+        self.notify = outlets.notify  # lifecycle events for the driver's log
+        self.callbacks = outlets.callbacks
+        most = max(world_size, settings.max_world_size or 0)  # what an elastic run may grow to
         self.strategy = build_strategy(cfg, most, task)
         self.train = TrainState.build(task, cfg, self.strategy, device)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
@@ -98,7 +130,7 @@ class Loop:
         if cfg.early_stopping and self.val_data is None:
             raise ConfigError("trainer.early_stopping needs a validation dataset; the task has none")
         # How micro-batches are read (in this thread, loader processes, a stream): input.py.
-        data = data or DataConfig()
+        data = settings.data
         self.train_input = build_train_input(self.train_data, data, max_epochs=cfg.max_epochs, rank=rank,
                                              plan=self.plan, device=device)
         self.val_input = ValInput(self.val_data, data, device) if self.val_data is not None else None
@@ -131,14 +163,14 @@ class Loop:
         self.skipped_steps = 0
         self.stop_reason: str | None = None
         self.stopping = EarlyStopping(cfg.early_stopping)
-        self.chaos = Chaos(chaos or [], cfg.seed, self.notify, chaos_claim)
+        self.chaos = Chaos(list(settings.chaos), cfg.seed, self.notify, outlets.chaos_claim)
         self._step_seconds = 0.0  # the last step's duration: where a random moment falls
         self._started = False
-        self.window = MetricsWindow(report if rank == 0 else _drop, lambda: self._phase("collective"))
+        self.window = MetricsWindow(self._report if rank == 0 else _drop, lambda: self._phase("collective"))
         self.latest_metrics = self.window.latest  # what keep_best ranks checkpoints by
         self._train_keys: list[str] | None = None
         self._val_keys: list[str] | None = None
-        self.saver = CheckpointSaver(checkpoints, checkpoint_cfg or CheckpointConfig(), self._committed,
+        self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
                                      replicated=self.strategy.replicated, rank=rank)
         sharded = isinstance(state, (str, Snapshot))
         if (state is not None) and sharded == self.strategy.replicated:
@@ -156,7 +188,7 @@ class Loop:
             self.stop_reason = None
         self.model = self.strategy.wrap(self.module, world_size, device)  # last: the state is final
         # Peer snapshots (snapshot.py): for sharded state only, which no survivor holds whole.
-        self.snapshots = None if self.strategy.replicated else snapshots
+        self.snapshots = None if self.strategy.replicated else outlets.snapshots
         if self.snapshots is not None:
             check_memory(estimate_bytes(self.module, self.optimizer, self.ema), ranks_on_this_machine(),
                          "failure.snapshot_every_n_steps")

@@ -10,8 +10,6 @@ extra's own group is removed.
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
