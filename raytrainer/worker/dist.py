@@ -74,6 +74,9 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # What torchrun sets, for code that reads it (your own loop's Hugging Face Trainer,
+    # accelerate, Lightning): this group's store is the rendezvous they would have used.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
 
 
 FLIGHT_RECORDER_ENTRIES = 2000
