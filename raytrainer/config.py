@@ -530,12 +530,16 @@ class Config:
 # steps, so the keys that configure the Task loop's step do not apply; a key set anyway is
 # an error, never silently ignored. The rest (scaling, failure, checkpoint retention, run,
 # loggers, driver callbacks) works as for a Task.
-LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "micro_batch_size", "seed", "strategy",
-                     "sync_batchnorm")
+LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "seed", "strategy", "sync_batchnorm")
 
 
 def _check_loop_config(config: Config) -> None:
     """Keys that a run of your own loop cannot honour, with what to do instead."""
+    if config.trainer.strategy != "ddp":
+        raise ConfigError(
+            f"trainer.strategy={config.trainer.strategy!r}: your own loop (task.loop) supports ddp only "
+            "(ctx.prepare_model wraps the model in DistributedDataParallel); for FSDP write a raytrainer.Task"
+        )
     for section, allowed, instead in (
         (config.trainer, LOOP_TRAINER_KEYS, "do it in your loop (e.g. torch.autocast, "
          "clip_grad_norm_, your scheduler), or write a raytrainer.Task"),
@@ -551,11 +555,6 @@ def _check_loop_config(config: Config) -> None:
                     if name == "trainer" else
                     f"{name}.{_key(f)} applies to a Task's loop, not to your own (task.loop); {instead}"
                 )
-    if config.trainer.strategy != "ddp":
-        raise ConfigError(
-            f"trainer.strategy={config.trainer.strategy!r}: your own loop (task.loop) supports ddp only "
-            "(ctx.prepare_model wraps the model in DistributedDataParallel); for FSDP write a raytrainer.Task"
-        )
     if config.failure.chaos:
         raise ConfigError("failure.chaos injects faults at a Task loop's steps; your own loop (task.loop) has "
                           "none to act at: remove failure.chaos and kill a worker from outside instead")
