@@ -198,6 +198,7 @@ class Checkpoints:
             raise TaskError(f"the checkpoint directory {directory!r} holds {', '.join(clash)}, names raytrainer "
                             "keeps for its own files there; rename them")
         name = checkpoint_name(step)
+        self.storage.fs.create_dir(self.storage.path(f"{self.prefix}/{name}"), recursive=True)
         pafs.copy_files(str(root), self.storage.path(f"{self.prefix}/{name}"),
                         source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.storage.fs)
         files[STATE] = self._write_state(name, state)
