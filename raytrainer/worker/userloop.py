@@ -26,6 +26,7 @@ taken at the first report with state on every rank after it: the report raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
@@ -77,6 +78,10 @@ class UserLoop:
         self.model: torch.nn.Module | None = None  # what ctx.prepare_model wrapped: the final weights
         self._reported = 0  # the newest step reported (rows), ahead of `step` where no state came
         self._pause_agreed = False
+        # The rows of the latest reports, on every rank: rank 0 may die holding rows the
+        # driver has not read yet; after a recovery, the new rank 0 sends those up to the
+        # state it goes on from again (the driver keeps the first row of each step).
+        self._history: collections.deque = collections.deque(maxlen=256)
         self._node = node or socket.gethostname()  # where this worker runs: its local rank
         if state is not None:
             self.load_state_dict(state)
@@ -89,6 +94,8 @@ class UserLoop:
         recovery or a resize, it runs fn again from the state held."""
         self.paused = self._pause_agreed = False
         self._reported = self.step
+        if self.rank == 0:
+            self._rows([row for row in self._history if row["step"] <= self.step])
         ctx = LoopContext(self)
         try:
             with self._phase("user"):
@@ -154,10 +161,11 @@ class UserLoop:
         if everyone_has_state:
             self.held = _copy_state(state)  # after the all-reduce: every rank reached this report
             self.step, self.epoch, self.checkpoint = step, epoch, None
+        row = {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time()}
+        row.update({k: v for k, v in metrics.items() if k not in row and not _is_number(v)})
+        row.update({k: total / self.world_size for k, total in zip(keys, sums)})
+        self._history.append(row)
         if self.rank == 0:
-            row = {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time()}
-            row.update({k: v for k, v in metrics.items() if k not in row and not _is_number(v)})
-            row.update({k: total / self.world_size for k, total in zip(keys, sums)})
             self._rows([row])
         if checkpoint is not None:
             self._save(Path(checkpoint), dict(numeric))
@@ -277,8 +285,12 @@ class LoopContext:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
+            from .strategy import _FixedBuckets
+
             model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
                                             else None)
+            if hasattr(model.reducer, "_rebuild_buckets"):  # sums alike after a re-form (strategy.py)
+                model.reducer = _FixedBuckets(model.reducer)
         loop.model = model
         return model
 
