@@ -482,7 +482,8 @@ class LoggerConfig:
 @dataclass(kw_only=True)
 class Config:
     task: TaskConfig
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig | None = None
+    """Required with a Task; your own loop (task.loop) may leave it out."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -496,6 +497,10 @@ class Config:
     a user's sink. [] for none."""
 
     def __post_init__(self):
+        if self.trainer is None:
+            if not self.task.is_loop:
+                raise ConfigError("missing required key 'trainer'")
+            self.trainer = TrainerConfig()
         if self.task.is_loop:
             _check_loop_config(self)
         elif self.trainer.max_epochs is None and self.trainer.max_steps is None:
