@@ -223,6 +223,43 @@ def test_your_loop_reports_rows_and_commits_a_checkpoint(undisturbed):
     assert undisturbed.run_dir.joinpath("config.yaml").read_text().startswith("task:\n  target: null\n  loop: tests")
 
 
+def test_your_loop_pauses_at_a_report_with_state_and_goes_on_from_it(ray_local, tmp_path):
+    """A resize's pause (the group's, as the controller asks it): every rank stops at the
+    first report with state after the ask, and fn runs again from that state."""
+    from raytrainer.driver.group import RayWorkerGroup
+
+    cfg = loop_config(tmp_path, "pause", state_every=4, sleep_s=0.02, marker=str(tmp_path / "slow"))
+    (tmp_path / "slow").touch()
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    try:
+        group.start()
+        assert group.setup().replicated
+        group.launch()
+        rows, paused = [], {}
+        while not rows:
+            rows += group.poll(0.2).rows
+        group.pause()
+        while len(paused) < 2:
+            poll = group.poll(0.2)
+            assert not poll.failures and not poll.done
+            rows += poll.rows
+            paused.update(poll.paused)
+        assert {end.step for end in paused.values()} == {rows[-1]["step"]} and rows[-1]["step"] % 4 == 0
+        reformed = group.reform([])
+        assert reformed.step == rows[-1]["step"] and reformed.state_from == "memory"
+        (tmp_path / "slow").unlink()
+        group.launch()
+        while not (poll := group.poll(0.5)).done:
+            assert not (poll.failures or poll.paused)
+            rows += poll.rows
+        rows += poll.rows
+    finally:
+        group.shutdown()
+    after = [r for r in rows if r["started_at"] > 0]
+    assert after and after[0]["started_at"] == reformed.step and after[-1]["step"] == 30
+    assert_no_leaks()
+
+
 # --------------------------------------------------------------------------- Hugging Face inside
 
 def test_the_hugging_face_example_trains_and_recovers_a_killed_worker(ray_local, tmp_path):

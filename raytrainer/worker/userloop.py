@@ -126,6 +126,7 @@ class UserLoop:
         """Go on in a re-formed group (the default group, initialised) as `rank`."""
         self.rank, self.world_size = rank, world_size
         self.saver.rank = rank
+        self.pause_requested = self._pause_agreed = self.paused = False
         self._local_environment()
 
     def abandon_step(self) -> None:
