@@ -27,7 +27,6 @@ taken at the first report with state on every rank after it: the report raises
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import os
 import socket
@@ -43,6 +42,7 @@ from ..config import Config
 from ..data import BatchPlan
 from ..errors import ConfigError, TaskError
 from .dist import all_reduce_sum
+from .loop import Loop
 from .saver import CheckpointSaver
 
 Rows = Callable[[list[dict[str, Any]]], None]
@@ -234,13 +234,7 @@ class UserLoop:
                           GROUP_RANK=node_rank, NODE_RANK=node_rank)
         _forget_framework_state()
 
-    @contextlib.contextmanager
-    def _phase(self, phase: str):
-        outer, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = outer
+    _phase = Loop._phase  # where this rank is, for the driver's hang check
 
 
 class LoopContext:
@@ -302,7 +296,8 @@ class LoopContext:
         that reports its optimizer steps resumes at the sample it stopped at. A batch
         sampler: DataLoader(dataset, batch_sampler=ctx.sampler(dataset))."""
         size = dataset if isinstance(dataset, int) else len(dataset)
-        plan = BatchPlan(size, batch_size or self.global_batch_size, 1, self.world_size, self.seed)
+        batch = batch_size or self.global_batch_size
+        plan = BatchPlan(size, batch, -(-batch // self.world_size), self.world_size, self.seed)  # no accumulation
         return GlobalSampler(plan, self.rank, self.step, self._loop.sampled)
 
 
