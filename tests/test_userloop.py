@@ -223,6 +223,19 @@ def test_your_loop_reports_rows_and_commits_a_checkpoint(undisturbed):
     assert undisturbed.run_dir.joinpath("config.yaml").read_text().startswith("task:\n  target: null\n  loop: tests")
 
 
+def test_your_loop_resumes_from_its_newest_checkpoint(undisturbed, tmp_path):
+    """No survivor (here: a new run of the same run directory): ctx.state comes from the
+    newest committed checkpoint, and the sampler goes on at its step."""
+    import shutil
+
+    shutil.copytree(undisturbed.run_dir, tmp_path / "base")
+    result = raytrainer.train(loop_config(tmp_path, "base", steps=34, state_every=3), progress=False)
+    assert [e["step"] for e in events(result, "resumed")] == [30]
+    new = [r for r in result.history if r["step"] > 30]
+    assert [r["step"] for r in new] == [31, 32, 33, 34] and all(r["started_at"] == 30 for r in new)
+    assert_no_leaks()
+
+
 def test_your_loop_pauses_at_a_report_with_state_and_goes_on_from_it(ray_local, tmp_path):
     """A resize's pause (the group's, as the controller asks it): every rank stops at the
     first report with state after the ask, and fn runs again from that state."""
