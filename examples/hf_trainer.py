@@ -107,7 +107,7 @@ def train_func(ctx, block_size: int = 64, n_embd: int = 64, n_layer: int = 2, n_
                state_every: int = 1, step_sleep_s: float = 0.0):
     """Your own loop: a Hugging Face Trainer, as you would run it under torchrun. Its
     length and batch come from the config (trainer.max_steps, trainer.global_batch_size)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     data = torch.frombuffer(bytearray(stdlib_text(max_bytes)), dtype=torch.uint8)
     config = GPT2Config(vocab_size=VOCAB, n_positions=block_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
@@ -119,7 +119,8 @@ def train_func(ctx, block_size: int = 64, n_embd: int = 64, n_layer: int = 2, n_
         max_steps=ctx.max_steps, per_device_train_batch_size=ctx.global_batch_size // ctx.world_size,
         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=min(10, ctx.max_steps // 10),
         logging_steps=1, save_strategy="steps", save_steps=save_steps, report_to=[], seed=ctx.seed,
-        use_cpu=ctx.device.type == "cpu", disable_tqdm=True, dataloader_num_workers=0)
+        use_cpu=ctx.device.type == "cpu", disable_tqdm=True, dataloader_num_workers=0,
+        ddp_find_unused_parameters=False)  # every parameter has a gradient: no extra graph traversal
     callbacks = [report_callback(ctx, state_every)]
     if step_sleep_s:  # for the test: steps slow enough to kill a worker in the middle of one
         class Slow(TrainerCallback):
@@ -130,6 +131,7 @@ def train_func(ctx, block_size: int = 64, n_embd: int = 64, n_layer: int = 2, n_
 
         callbacks.append(Slow())
     trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(data, block_size), callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # its log lines: raytrainer's progress and metrics.jsonl have them
     resume = None
     if ctx.state is not None:  # after a failure: the newest state every rank reported, from memory
         resume = write_checkpoint(ctx.state, args.output_dir)
