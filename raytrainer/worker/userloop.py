@@ -78,9 +78,10 @@ class UserLoop:
         self.model: torch.nn.Module | None = None  # what ctx.prepare_model wrapped: the final weights
         self._reported = 0  # the newest step reported (rows), ahead of `step` where no state came
         self._pause_agreed = False
-        # The rows of the latest reports, on every rank: rank 0 may die holding rows the
-        # driver has not read yet; after a recovery, the new rank 0 sends those up to the
-        # state it goes on from again (the driver keeps the first row of each step).
+        # The rows of the latest reports, on every rank and in the state a survivor gives:
+        # rank 0 may die holding rows the driver has not read yet; after a recovery, the
+        # new rank 0 (often the lost one's replacement) sends those up to the state it goes
+        # on from again (the driver keeps the first row of each step).
         self._history: collections.deque = collections.deque(maxlen=256)
         self._node = node or socket.gethostname()  # where this worker runs: its local rank
         if state is not None:
@@ -110,7 +111,8 @@ class UserLoop:
 
     def state_dict(self) -> dict[str, Any]:
         """The state of the newest report with state, as a checkpoint's state.pt holds it."""
-        return {"loop": {"kind": "loop", "step": self.step, "epoch": self.epoch, "checkpoint": self.checkpoint},
+        return {"loop": {"kind": "loop", "step": self.step, "epoch": self.epoch, "checkpoint": self.checkpoint,
+                         "rows": [row for row in self._history if row["step"] <= self.step]},
                 "user": self.held}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,6 +122,7 @@ class UserLoop:
                               "your own loop (task.loop); resume it with the task that wrote it")
         self.step, self.epoch, self.held = saved["step"], saved["epoch"], state["user"]
         self.checkpoint = saved.get("checkpoint")
+        self._history = collections.deque(saved.get("rows", ()), maxlen=self._history.maxlen)
         self.saver.saved_step = self.step
 
     def regroup(self, rank: int, world_size: int) -> None:
