@@ -112,6 +112,10 @@ def test_a_task_the_workers_can_import_is_named_by_its_path():
                                                      None)
     section, payload = describe(RegressionTask(lr=0.2))  # an instance carries its settings: by value
     assert section["target"] == "tests.tasks:RegressionTask" and payload and "instance of" in section["by_value"]
+    from raytrainer.driver.api import _by_value  # run.name's default: the class or function name
+
+    assert _by_value({"task": RegressionTask})[2] == "RegressionTask"
+    assert _by_value({"task": {"loop": lambda ctx: None}})[2] == "lambda"
 
 
 def test_a_task_that_cannot_be_pickled_is_a_config_error_naming_the_attribute(tmp_path):

@@ -49,8 +49,9 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     """
     import ray
 
+    stem = None
     if not isinstance(config, Config):
-        config, payload = _by_value(config)
+        config, payload, stem = _by_value(config)
         config = load_config(config, overrides)
         config.task.payload = payload
     elif overrides:
@@ -63,7 +64,8 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             "(run.resume: auto continues a run from its newest checkpoint)"
         )
     if config.run.name is None:
-        config.run.name = f"{_name_of(config)}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stem = stem or config.task.path.partition(":")[0].rsplit(".", 1)[-1]  # a module's: examples.digits -> digits
+        config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     storage = Storage(config.run.storage)
     run_dir = Path(storage.root) / config.run.name if storage.local else _local_mirror(storage, config.run.name)
     resume = _find_resume(config, storage, run_dir)
@@ -110,15 +112,16 @@ def _raw(config: str | Path | dict[str, Any] | None) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None]:
+def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, str | None]:
     """A config dict whose task is a Python object (a class, an instance, a function; or
-    target/loop given as one) with its task section as a YAML config would name it, and
-    the object pickled where the workers cannot import it. The pickle rides on the
-    Config (task.payload), not in its dict: config.yaml records what it was."""
+    target/loop given as one) with its task section as a YAML config would name it, the
+    object pickled where the workers cannot import it, and its class or function name
+    (run.name's default). The pickle rides on the Config (task.payload), not in its dict:
+    config.yaml records what it was."""
     task = config.get("task") if isinstance(config, dict) else None
     if task is None or (isinstance(task, dict) and all(isinstance(task.get(k), (str, type(None)))
                                                        for k in ("target", "loop"))):
-        return config, None
+        return config, None, None
     if isinstance(task, dict):
         unknown = sorted(set(task) - {"target", "loop", "args"})
         if unknown or ("target" in task) == ("loop" in task):
@@ -131,16 +134,8 @@ def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None]:
     if isinstance(task, dict) and ("loop" in task) != ("loop" in section):
         key = "loop" if "loop" in task else "target"
         raise ConfigError(f"task.{key}: {obj!r} is not a {'function' if key == 'loop' else 'raytrainer.Task'}")
-    return {**config, "task": section}, payload
-
-
-def _name_of(config: Config) -> str:
-    """run.name's stem: a Task module's name (examples.digits -> digits); for a task or loop
-    passed as a Python object, its class or function name."""
-    path = config.task.path
-    if config.task.by_value:
-        return path.rpartition(":")[2].rsplit(".", 1)[-1].replace("<", "").replace(">", "")
-    return path.partition(":")[0].rsplit(".", 1)[-1]
+    name = section.get("target", section.get("loop")).rpartition(":")[2].rsplit(".", 1)[-1]
+    return {**config, "task": section}, payload, name.strip("<>")
 
 
 def init_ray(address: str | None = None, **options: Any) -> None:
