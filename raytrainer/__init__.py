@@ -1,6 +1,6 @@
 """raytrainer: elastic, fault-tolerant, data-parallel PyTorch training on Ray."""
 
-from .driver.api import Result, train
+from .driver.api import Result, train, train_loop
 from .callbacks import Callback, RunContext
 from .config import Config, load_config
 from .errors import ConfigError, PlacementError, RaytrainerError, TaskError, WorkerError
@@ -22,5 +22,6 @@ __all__ = [
     "WorkerError",
     "load_config",
     "train",
+    "train_loop",
 ]
 __version__ = "0.1.0"

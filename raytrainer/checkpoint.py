@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from .config import CheckpointConfig
@@ -168,15 +169,40 @@ class Checkpoints:
 
     def write(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Committed:
         """Serialise, write, then commit with the marker; then apply retention."""
+        name = checkpoint_name(step)
+        return self._commit(step, name, {STATE: self._write_state(name, state)}, metrics)
+
+    def _write_state(self, name: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Write state.pt of checkpoint `name`; its manifest entry."""
         import torch
 
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getvalue()
-        name = checkpoint_name(step)
         self.storage.write(f"{self.prefix}/{name}/{STATE}", data)
-        return self._commit(step, name, {STATE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-                            metrics)
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def write_dir(self, step: int, state: dict[str, Any], directory: str, metrics: dict[str, float]) -> Committed:
+        """Commit the files a loop of its own saved in the local `directory` (its own
+        checkpoint format: a Hugging Face Trainer's checkpoint-N, say), with `state` beside
+        them as state.pt; then apply retention."""
+        import pyarrow.fs as pafs
+
+        from .errors import TaskError
+
+        root = Path(directory)
+        files = {p.relative_to(root).as_posix(): {"size": p.stat().st_size}
+                 for p in sorted(root.rglob("*")) if p.is_file()}
+        clash = sorted({STATE, MARKER} & set(files))
+        if clash:
+            raise TaskError(f"the checkpoint directory {directory!r} holds {', '.join(clash)}, names raytrainer "
+                            "keeps for its own files there; rename them")
+        name = checkpoint_name(step)
+        self.storage.fs.create_dir(self.storage.path(f"{self.prefix}/{name}"), recursive=True)
+        pafs.copy_files(str(root), self.storage.path(f"{self.prefix}/{name}"),
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.storage.fs)
+        files[STATE] = self._write_state(name, state)
+        return self._commit(step, name, files, metrics)
 
     def rel(self, step: int) -> str:
         """The directory of the checkpoint of `step`, relative to the storage."""

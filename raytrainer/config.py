@@ -38,7 +38,51 @@ class Component:
             )
 
 
-TaskConfig = Component
+@dataclass(kw_only=True)
+class TaskConfig:
+    """What to train: a Task class (`target`) or your own loop function (`loop`), named by
+    import path and built on every worker with `args`; or either passed as a Python object
+    to raytrainer.train / raytrainer.train_loop, which ships it to the workers by value."""
+
+    target: str | None = None
+    """A raytrainer.Task subclass, `package.module:ClassName`."""
+    loop: str | None = None
+    """Your own training loop instead of a Task: a function `fn(ctx, **args)` run on every
+    worker, `package.module:function` (see raytrainer.train_loop)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the class (or the loop function) is called with, on every worker."""
+    by_value: str | None = None
+    """Written by raytrainer, never by hand: the task or loop was passed as a Python object
+    and shipped to the workers pickled (cloudpickle); this says what it was. A YAML file
+    cannot carry the object, so such a config.yaml is a record: resume that run from
+    Python, passing the same object again."""
+    payload: Any = field(default=None, repr=False, metadata={"internal": True})
+    """Not a config key: the object passed by value, pickled (bytes), or on the driver the
+    reference to those bytes in Ray's object store, which every worker's constructor gets."""
+
+    def __post_init__(self):
+        if (self.target is None) == (self.loop is None):
+            raise ConfigError(
+                "task: give exactly one of target (a raytrainer.Task class, 'package.module:ClassName') "
+                "or loop (your own loop function fn(ctx), 'package.module:function')"
+            )
+        key = "target" if self.loop is None else "loop"
+        module, sep, name = getattr(self, key).partition(":")
+        if not (module and sep and name):
+            raise ConfigError(
+                f"task.{key}={getattr(self, key)!r} is not an import path; write it as "
+                f"'package.module:{'ClassName' if key == 'target' else 'function'}', e.g. "
+                f"'{'examples.digits:DigitsTask' if key == 'target' else 'examples.hf_trainer:train_func'}'"
+            )
+
+    @property
+    def is_loop(self) -> bool:
+        return self.loop is not None
+
+    @property
+    def path(self) -> str:
+        """Its import path (the class's or the function's)."""
+        return self.loop if self.loop is not None else self.target
 
 
 @dataclass(kw_only=True)
@@ -148,8 +192,6 @@ class TrainerConfig:
     """Debug: train on the same first N global batches every epoch."""
 
     def __post_init__(self):
-        if self.max_epochs is None and self.max_steps is None:
-            raise ConfigError("set trainer.max_epochs or trainer.max_steps (or both)")
         for key in ("max_epochs", "max_steps", "global_batch_size", "micro_batch_size",
                     "val_every_n_steps", "log_every_n_steps"):
             value = getattr(self, key)
@@ -219,6 +261,11 @@ class ScalingConfig:
         for name, amount in (self.resources_per_worker or {}).items():
             if amount < 0:
                 raise ConfigError(f"scaling.resources_per_worker.{name}={amount} must be >= 0")
+        if self.backend == "nccl" and self.use_gpu is False:
+            raise ConfigError(
+                "scaling.backend=nccl needs GPU workers but scaling.use_gpu is false; set "
+                "scaling.backend: gloo (or auto), or scaling.use_gpu: true on a cluster with GPUs"
+            )
 
 
 @dataclass(kw_only=True)
@@ -434,8 +481,9 @@ class LoggerConfig:
 
 @dataclass(kw_only=True)
 class Config:
-    task: Component
-    trainer: TrainerConfig
+    task: TaskConfig
+    trainer: TrainerConfig | None = None
+    """Required with a Task; your own loop (task.loop) may leave it out."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -449,6 +497,14 @@ class Config:
     a user's sink. [] for none."""
 
     def __post_init__(self):
+        if self.trainer is None:
+            if not self.task.is_loop:
+                raise ConfigError("missing required key 'trainer'")
+            self.trainer = TrainerConfig()
+        if self.task.is_loop:
+            _check_loop_config(self)
+        elif self.trainer.max_epochs is None and self.trainer.max_steps is None:
+            raise ConfigError("set trainer.max_epochs or trainer.max_steps (or both)")
         batch, workers = self.trainer.global_batch_size, self.scaling.max_workers
         if self.trainer.batch_policy == "per_worker" and batch % self.scaling.num_workers:
             raise ConfigError(
@@ -473,6 +529,40 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
+
+
+# What a run of your own loop (task.loop) takes from the config: the loop does its own
+# steps, so the keys that configure the Task loop's step do not apply; a key set anyway is
+# an error, never silently ignored. The rest (scaling, failure, checkpoint retention, run,
+# loggers, driver callbacks) works as for a Task.
+LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "seed", "strategy", "sync_batchnorm")
+
+
+def _check_loop_config(config: Config) -> None:
+    """Keys that a run of your own loop cannot honour, with what to do instead."""
+    if config.trainer.strategy != "ddp":
+        raise ConfigError(
+            f"trainer.strategy={config.trainer.strategy!r}: your own loop (task.loop) supports ddp only "
+            "(ctx.prepare_model wraps the model in DistributedDataParallel); for FSDP write a raytrainer.Task"
+        )
+    for section, allowed, instead in (
+        (config.trainer, LOOP_TRAINER_KEYS, "do it in your loop (e.g. torch.autocast, "
+         "clip_grad_norm_, your scheduler), or write a raytrainer.Task"),
+        (config.data, (), "build your DataLoader in your loop (ctx.sampler gives its sample order)"),
+    ):
+        name = "trainer" if section is config.trainer else "data"
+        default = type(section)()
+        for f in dataclasses.fields(section):
+            if f.name not in allowed and getattr(section, f.name) != getattr(default, f.name):
+                raise ConfigError(
+                    f"{name}.{_key(f)} applies to a Task's loop, not to your own (task.loop); "
+                    f"remove it and {instead}. A loop takes trainer.{', trainer.'.join(allowed)}"
+                    if name == "trainer" else
+                    f"{name}.{_key(f)} applies to a Task's loop, not to your own (task.loop); {instead}"
+                )
+    if config.failure.chaos:
+        raise ConfigError("failure.chaos injects faults at a Task loop's steps; your own loop (task.loop) has "
+                          "none to act at: remove failure.chaos and kill a worker from outside instead")
 
 
 # --------------------------------------------------------------------------- parsing
@@ -539,7 +629,7 @@ def _build(cls: type, data: Any, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {_key(f): f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in _config_fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"section '{prefix}'" if prefix else "the top level"
@@ -568,9 +658,14 @@ def _key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
+def _config_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
+    """The fields that are config keys (not those the library sets for itself)."""
+    return [f for f in dataclasses.fields(cls_or_obj) if not f.metadata.get("internal")]
+
+
 def _to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {_key(f): _to_dict(getattr(obj, f.name)) for f in _config_fields(obj)}
     if isinstance(obj, list):
         return [_to_dict(v) for v in obj]
     if isinstance(obj, dict):

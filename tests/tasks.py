@@ -365,3 +365,42 @@ class RayDataTask(RegressionTask):
             with open(f"{self.record}.{dist.get_rank()}", "a") as f:
                 f.write(" ".join(map(str, batch["id"].tolist())) + "\n")
         return {"loss": torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])}
+
+
+def regression_loop(ctx, steps=24, state_every=1, sleep_s=0.0, dropout=0.1, marker=None):
+    """Your own loop (raytrainer.train_loop): RegressionTask's model and data in a plain DDP
+    loop, a state report every `state_every` steps and a metrics report every step. Dropout
+    draws from a generator seeded by the step, so a step redone after a recovery draws the
+    same numbers. `marker`: a path whose file, while it exists, holds each step for sleep_s
+    (the test's window to kill a worker; deleted to let the run finish at full speed)."""
+    import os
+    import time
+
+    task = RegressionTask(dropout=dropout)
+    torch.manual_seed(ctx.seed)
+    model = task.build_model()
+    optimizer = task.build_optimizer(model)
+    if ctx.state is not None:  # after a failure: the newest report every rank reached
+        model.load_state_dict(ctx.state["model"])
+        optimizer.load_state_dict(ctx.state["optimizer"])
+    model = ctx.prepare_model(model)
+    data = task.train_dataset()
+    sampler = ctx.sampler(data)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    step = ctx.step
+    for epoch in range(sampler.epoch, 10**6):
+        sampler.set_epoch(epoch)
+        for x, y, _ in loader:
+            torch.manual_seed(ctx.seed * 100_003 + step * 31 + ctx.rank)  # dropout's draws: by step and rank
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if marker and os.path.exists(marker):
+                time.sleep(sleep_s)
+            state = {"model": model, "optimizer": optimizer} if step % state_every == 0 else None
+            ctx.report({"loss": loss, "step": step, "epoch": epoch, "started_at": ctx.step},
+                       state=state)
+            if step >= steps:
+                return model

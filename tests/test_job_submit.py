@@ -88,3 +88,21 @@ def test_ray_submit_entry_point_ships_the_project_to_workers(head, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "submit" / "model.pt").is_file()
+
+
+def test_a_task_and_a_loop_from_the_submitted_scripts_main_ship_by_value(head, tmp_path):
+    """`ray job submit -- python examples/by_value.py`: a Task class and a loop function
+    defined in the job's own script (its __main__) reach the workers by value."""
+    proc = subprocess.run(
+        ["ray", "job", "submit", "--working-dir", ".", "--submission-id", "rt-by-value", "--",
+         "python", "examples/by_value.py", "--storage", str(tmp_path), "--epochs", "1"],
+        cwd=ROOT, env=head, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert status(head, "rt-by-value") == "SUCCEEDED"
+    runs = {p.name.split("-")[0]: p for p in tmp_path.iterdir()}
+    assert set(runs) == {"SineTask", "train_func"}  # run.name from the class and the function
+    for run in runs.values():
+        assert "__main__" in (run / "config.yaml").read_text() and (run / "model.pt").is_file()
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == 16 and rows[-1]["world_size"] == 2

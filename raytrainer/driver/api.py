@@ -19,6 +19,7 @@ from ..config import Config, dump_config, load_config
 from ..contract import Resume
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError
+from ..task import describe
 from .loggers import build_loggers
 from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
 
@@ -37,18 +38,33 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
           address: str | None = None, progress: bool = True, callbacks: Iterable[Any] = ()) -> Result:
     """Train the task a config describes; return its metrics and run directory.
 
+    The task is named by import path (task.target), or given as a Python object: a
+    raytrainer.Task class or instance, `{"task": MyTask(lr=0.1), ...}`, which is shipped
+    to the workers by value where they cannot import it (see task.describe); a loop
+    function runs as raytrainer.train_loop's does.
+
     Uses the Ray this process is connected to; otherwise connects to `address`
     (or $RAY_ADDRESS); otherwise starts a local Ray for the run and stops it after.
     `callbacks` are driver-side Callback objects, added to those the config names.
     """
     import ray
 
+    stem = None
     if not isinstance(config, Config):
+        config, payload, stem = _by_value(config)
         config = load_config(config, overrides)
+        config.task.payload = payload
     elif overrides:
         raise ConfigError("overrides apply to a YAML path or a dict, not to a built Config")
+    if config.task.by_value and config.task.payload is None:
+        raise ConfigError(
+            f"task.by_value: this config records a task passed as a Python object ({config.task.by_value}), "
+            "which a YAML file cannot carry; run it from Python, passing the same object again, e.g. "
+            "raytrainer.train({..., 'task': MyTask(...), 'run': {'name': NAME, 'storage': STORAGE}}) "
+            "(run.resume: auto continues a run from its newest checkpoint)"
+        )
     if config.run.name is None:
-        stem = config.task.target.partition(":")[0].rsplit(".", 1)[-1]
+        stem = stem or config.task.path.partition(":")[0].rsplit(".", 1)[-1]  # a module's: examples.digits -> digits
         config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     storage = Storage(config.run.storage)
     run_dir = Path(storage.root) / config.run.name if storage.local else _local_mirror(storage, config.run.name)
@@ -63,6 +79,63 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     finally:
         if connected_here:
             ray.shutdown()
+
+
+def train_loop(fn: Any, config: str | Path | dict[str, Any] | None = None, overrides: Iterable[str] = (), *,
+               args: dict[str, Any] | None = None, address: str | None = None, progress: bool = True,
+               callbacks: Iterable[Any] = ()) -> Result:
+    """Run your own training loop, `fn(ctx, **args)`, on every worker with the process group
+    formed, and return what train() returns. `config` is train()'s without a task section
+    (a YAML path or a dict; trainer, scaling, failure, checkpoint, run, loggers). `ctx`
+    (worker.userloop.LoopContext) gives the rank, world size, local rank, device, the step
+    and epoch to start from, and `ctx.report(metrics, state=..., checkpoint=...)`; after a
+    failure fn runs again with `ctx.state` from a survivor's memory. The function is
+    shipped to the workers by value where they cannot import it by name."""
+    raw = _raw(config)
+    if "task" in raw:
+        raise ConfigError("train_loop(fn, config): the config has a task section too; fn is what runs on the "
+                          "workers: remove the task section (or call raytrainer.train with it)")
+    raw["task"] = {"loop": fn, "args": dict(args or {})}
+    return train(raw, overrides, address=address, progress=progress, callbacks=callbacks)
+
+
+def _raw(config: str | Path | dict[str, Any] | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    import yaml
+
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, str | None]:
+    """A config dict whose task is a Python object (a class, an instance, a function; or
+    target/loop given as one) with its task section as a YAML config would name it, the
+    object pickled where the workers cannot import it, and its class or function name
+    (run.name's default). The pickle rides on the Config (task.payload), not in its dict:
+    config.yaml records what it was."""
+    task = config.get("task") if isinstance(config, dict) else None
+    if task is None or (isinstance(task, dict) and all(isinstance(task.get(k), (str, type(None)))
+                                                       for k in ("target", "loop"))):
+        return config, None, None
+    if isinstance(task, dict):
+        unknown = sorted(set(task) - {"target", "loop", "args"})
+        if unknown or ("target" in task) == ("loop" in task):
+            raise ConfigError("task: give a Python object as {'target': TaskClass, 'args': {...}} or "
+                              f"{{'loop': function, 'args': {{...}}}}" + (f"; unknown keys {unknown}" if unknown else ""))
+        obj, args = task.get("target", task.get("loop")), task.get("args") or {}
+    else:
+        obj, args = task, {}
+    section, payload = describe(obj, args)
+    if isinstance(task, dict) and ("loop" in task) != ("loop" in section):
+        key = "loop" if "loop" in task else "target"
+        raise ConfigError(f"task.{key}: {obj!r} is not a {'function' if key == 'loop' else 'raytrainer.Task'}")
+    name = section.get("target", section.get("loop")).rpartition(":")[2].rsplit(".", 1)[-1]
+    return {**config, "task": section}, payload, name.strip("<>")
 
 
 def init_ray(address: str | None = None, **options: Any) -> None:
@@ -86,6 +159,30 @@ def init_ray(address: str | None = None, **options: Any) -> None:
     finally:
         if unset:
             os.environ.pop(key, None)
+
+
+def resolve_use_gpu(scaling: Any, gpus: float, *, can_grow: bool, warn: Any = None) -> bool:
+    """Whether the workers take GPUs (scaling.use_gpu, auto: where the cluster has some),
+    checked against the cluster's GPUs before any worker starts: GPUs asked of a cluster
+    that has none and cannot gain any, or NCCL without GPUs, are config errors."""
+    use_gpu = gpus > 0 if scaling.use_gpu == "auto" else scaling.use_gpu
+    if use_gpu and not gpus:
+        if not can_grow:
+            raise ConfigError(
+                "scaling.use_gpu=true but there is no GPU in this Ray cluster (it has none, and a local Ray "
+                "started for this run cannot gain any); set scaling.use_gpu: false (or auto) to train on CPUs, "
+                "or connect to a cluster with GPUs (--address or RAY_ADDRESS)"
+            )
+        if warn is not None:
+            warn(f"scaling.use_gpu=true but the cluster has no GPU now; waiting up to "
+                 f"scaling.placement_timeout_s={scaling.placement_timeout_s:g} for nodes with GPUs to join")
+    if scaling.backend == "nccl" and not use_gpu:
+        why = "scaling.use_gpu is false" if scaling.use_gpu is False else "the cluster has no GPU (scaling.use_gpu: auto)"
+        raise ConfigError(
+            f"scaling.backend=nccl runs on GPUs only, but {why}; set scaling.backend: gloo (or auto, which "
+            "picks NCCL on GPUs and Gloo on CPUs)"
+        )
+    return use_gpu
 
 
 def _local_mirror(storage: Storage, name: str) -> Path:
@@ -175,9 +272,10 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
 
     from .group import RayWorkerGroup
 
-    use_gpu = config.scaling.use_gpu
-    if use_gpu == "auto":
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    use_gpu = resolve_use_gpu(config.scaling, ray.cluster_resources().get("GPU", 0), can_grow=cluster_can_grow,
+                              warn=_warn)
+    if isinstance(config.task.payload, bytes):  # into the object store once; every worker's constructor reads it
+        config.task.payload = ray.put(config.task.payload)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.yaml").exists():  # a resumed run keeps the config it began with
@@ -204,9 +302,10 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
                                 restore=lambda: _latest(config, storage))
         result = controller.run()
         tmp = run_dir / "model.pt.tmp"
-        tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch
-        os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
-        hub.artifact(run_dir / "model.pt", "model")
+        if result.model is not None:  # your own loop may end with no model to save
+            tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch
+            os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
+            hub.artifact(run_dir / "model.pt", "model")
     finally:
         hub.close()
         events.close()

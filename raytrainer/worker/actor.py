@@ -25,7 +25,7 @@ from typing import Any
 from ..callbacks import Callbacks
 from ..config import load_config
 from ..contract import Holdings, Node, RunEnd, Snapshot, Status
-from ..errors import PeerFailure, RaytrainerError, WorkerError
+from ..errors import ConfigError, PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 
 # torch is imported inside the methods: the driver imports this module to create
@@ -33,7 +33,7 @@ from ..task import build_task
 
 
 class Worker:
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], payload: bytes | None = None):
         # Import torch now, on every actor in parallel, not on the first call; and
         # torch._dynamo, which every optimizer imports as it is built (torch wraps
         # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid
@@ -47,6 +47,7 @@ class Worker:
         from .snapshot import PeerSnapshots
 
         self.config = load_config(config)
+        self.config.task.payload = payload  # a task or loop passed by value: unpickled at each setup
         self.rank: int | None = None
         self.loop = None
         # Kept across the groups this process trains in: a survivor goes back to its own
@@ -106,7 +107,7 @@ class Worker:
                 torch.set_num_threads(max(1, int((cfg.scaling.resources_per_worker or {}).get("CPU", 1))))
             device = choose_device(use_gpu)
             self._backend = choose_backend(cfg.scaling.backend, use_gpu)
-            task = build_task(cfg.task.target, cfg.task.args)
+            task = build_task(cfg.task, cfg.task.payload)
             self._forming = "joining"
             init_group(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
             self._forming = "joined"
@@ -114,9 +115,29 @@ class Worker:
             outlets = Outlets(report=self._push, notify=self._notify, callbacks=callbacks,
                               checkpoints=self._checkpoints(), chaos_claim=self._chaos_claim,
                               snapshots=self.snapshots)
-            self.loop = Loop(task, LoopSettings.of(cfg), outlets, rank=rank, world_size=world_size, device=device,
-                             state=_load(resume) if isinstance(resume, bytes) else resume)
-            return self.loop.total_steps, self.loop.plan.steps_per_epoch, self.loop.strategy.replicated
+            state = _load(resume) if isinstance(resume, bytes) else resume
+            if cfg.task.is_loop:
+                self.loop = self._user_loop(task, outlets, rank, world_size, device, state)
+            else:
+                self.loop = Loop(task, LoopSettings.of(cfg), outlets, rank=rank, world_size=world_size,
+                                 device=device, state=state)
+            return self.loop.total_steps, self.loop.steps_per_epoch, self.loop.replicated
+
+    def _user_loop(self, fn, outlets, rank, world_size, device, state):
+        """Your own loop (task.loop): fn(ctx) in the group just formed (see userloop.py)."""
+        from .userloop import UserLoop
+
+        if outlets.callbacks.callbacks:
+            names = ", ".join(type(c).__name__ for c in outlets.callbacks.callbacks)
+            raise ConfigError(f"callbacks: {names} run on the workers, inside a Task's loop; your own loop "
+                              "(task.loop) has no such hooks: call them from your loop, or give the class "
+                              "on_driver = True to run it on the driver")
+        if isinstance(state, str):
+            raise ConfigError("the checkpoint to resume from is sharded (trainer.strategy: fsdp); your own "
+                              "loop (task.loop) resumes replicated ones only")
+        return UserLoop(fn, self.config, rank=rank, world_size=world_size, device=device, report=outlets.report,
+                        notify=outlets.notify, checkpoints=outlets.checkpoints, state=state,
+                        node=self.node().node_id)
 
     def run(self) -> RunEnd:
         """Train to the end ("finished"; rank 0 adds the final weights as torch.save

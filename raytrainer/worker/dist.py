@@ -74,9 +74,15 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # What torchrun sets, for code that reads it (your own loop's Hugging Face Trainer,
+    # accelerate, Lightning): this group's store is the rendezvous they would have used.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
 
 
 FLIGHT_RECORDER_ENTRIES = 2000
+
+
+_ABORTED: list[dist.ProcessGroup] = []  # groups left after a failure (leave_group)
 
 
 def leave_group(failed: bool = False) -> None:
@@ -86,6 +92,13 @@ def leave_group(failed: bool = False) -> None:
     if not dist.is_initialized():
         return
     if failed:
+        # Kept, never destroyed: what still references the group (DDP's reducer, in the
+        # frames of the exception that brought us here) lets go of it later, on this
+        # thread, holding the GIL, and ProcessGroupGloo's destructor then joins its worker
+        # threads; one of them may be finishing a collective whose tensors need the GIL to
+        # be freed: a deadlock (seen with py-spy, a Hugging Face Trainer's all_gather of
+        # its loss, about one kill in fifteen). A few idle threads per failure instead.
+        _ABORTED.append(dist.group.WORLD)
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()

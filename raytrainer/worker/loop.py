@@ -198,6 +198,10 @@ class Loop:
         self._pause_agreed = False  # some rank asked, and every rank knows it at this step
         self.paused = False
 
+    # What the driver learns as the group forms (contract.Formed).
+    steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
+    replicated = property(lambda self: self.strategy.replicated)
+
     # The parts of the training state callbacks and tasks know the loop by.
     module = property(lambda self: self.train.module)
     optimizer = property(lambda self: self.train.optimizer)
@@ -427,6 +431,9 @@ class Loop:
         """Continue exactly where `state` was taken: the next step is state's step + 1, at
         the same global sample index, whatever the world size now is."""
         saved = state["loop"]
+        if saved.get("kind") == "loop":
+            raise ConfigError("the checkpoint to resume from was written by a run of your own loop "
+                              "(task.loop), not by a raytrainer.Task; resume it with that loop")
         if saved["global_batch_size"] != self.cfg.global_batch_size:
             raise ConfigError(
                 f"the checkpoint was trained with trainer.global_batch_size="
