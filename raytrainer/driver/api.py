@@ -17,6 +17,7 @@ from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, load_checkpoint_dir
 from ..config import Config, dump_config, load_config
 from ..contract import Resume
+from ._internals import started_local_ray
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError
 from ..task import describe
@@ -75,7 +76,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         init_ray(address)
     try:
         return _run(config, storage, run_dir, resume, progress=progress,
-                    cluster_can_grow=not _started_local_ray(), callbacks=list(callbacks))
+                    cluster_can_grow=not started_local_ray(), callbacks=list(callbacks))
     finally:
         if connected_here:
             ray.shutdown()
@@ -196,15 +197,6 @@ def _local_mirror(storage: Storage, name: str) -> Path:
         if storage.exists(f"{name}/{file}"):
             (mirror / file).write_bytes(storage.read(f"{name}/{file}"))
     return mirror
-
-
-def _started_local_ray() -> bool:
-    """Whether this process started the Ray it is connected to (so no autoscaler can add
-    capacity, and Ray's own fate-sharing stops it if this process is killed)."""
-    import ray
-
-    node = getattr(ray._private.worker, "_global_node", None)
-    return bool(node is not None and node.head)
 
 
 def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | None:

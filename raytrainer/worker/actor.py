@@ -41,7 +41,9 @@ class Worker:
         # or a grow. Every worker has imported it before its first step either way, so
         # training does not change (an earlier measurement of steady-state steps after
         # this import was noisy and bimodal).
-        import torch._dynamo  # noqa: F401
+        from . import _internals
+
+        _internals.import_dynamo()
 
         from . import loop  # noqa: F401
         from .snapshot import PeerSnapshots
@@ -267,11 +269,10 @@ class Worker:
 
     def _chaos_claim(self, fault: int, step: int) -> bool:
         """Once per run across processes: the first claim of (fault, step) in Ray's KV store."""
-        from ray.experimental.internal_kv import _internal_kv_put
+        from . import _internals
 
         run = self.config.run
-        key = f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}"
-        return not _internal_kv_put(key, b"1", overwrite=False)
+        return _internals.kv_put_if_absent(f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}", b"1")
 
     def _checkpoints(self):
         from ..checkpoint import Checkpoints, Storage
@@ -323,16 +324,14 @@ def _worker_error(worker: Worker, exc: Exception) -> Exception:
 
 
 def _peer_failure(exc: Exception) -> bool:
-    """Whether `exc` is a collective failing because a peer died or left (Gloo raises a
-    plain RuntimeError naming its transport; NCCL and newer torch a DistError)."""
+    """Whether `exc` is a collective or a rendezvous failing because a peer died or left:
+    torch's typed errors (DistBackendError from NCCL, DistNetworkError and DistStoreError
+    from the store), and the bare RuntimeError of Gloo's transport (see _internals)."""
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
-                                      "ProcessGroupGloo", "NCCL error", "Socket Timeout"))
+    from . import _internals
+
+    return isinstance(exc, dist.DistError) or _internals.is_gloo_transport_error(exc)
 
 
 def _in_collective(frame: Any) -> bool:
