@@ -189,11 +189,10 @@ def config(tmp_path, name, slow_while=None, **scaling):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from .ray_procs import local_cluster
+def cluster(shared_cluster):
+    from .conftest import cluster_with
 
-    with local_cluster(3) as cluster:  # a head with no CPUs for workers, three 1-CPU nodes
-        yield cluster
+    return cluster_with(shared_cluster, 3)  # a head with no CPUs for workers, three 1-CPU nodes
 
 
 @pytest.fixture(scope="module")
