@@ -6,7 +6,7 @@ removes one fails there with the name and what it is for; tests/test_layout.py c
 no other module of the package uses a private Ray or torch name. The driver imports no torch.
 
 Checked on Ray 2.60.0 (pinned) and Ray 2.40.0 (the oldest pyproject.toml claims:
-`bash .ci/oldest.sh`).
+`bash .ci/oldest.sh`, with torch 2.7.0).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ the name and what it is for, not somewhere deep in a recovery; tests/test_layout
 checks that no other module of the package uses a private torch or Ray name.
 
 Checked on torch 2.13.0 and Ray 2.60.0 (the pinned versions) and on the oldest that
-pyproject.toml claims, torch 2.6.0 and Ray 2.40.0 (`bash .ci/oldest.sh`).
+pyproject.toml claims, torch 2.7.0 and Ray 2.40.0 (`bash .ci/oldest.sh`; the Gloo message
+below included).
 
 Submodules of torch and Ray that only some callers need (DCP, torch._dynamo, Ray's KV
 store) are imported inside the functions that use them.
@@ -47,8 +48,9 @@ def reset_group_count() -> None:
 
 
 def abort_process_group() -> None:
-    """Abort every process group of this process (distributed_c10d._abort_process_group,
-    torch >= 2.6): the only teardown that returns while a collective is pending. Destroying
+    """Abort every process group of this process (distributed_c10d._abort_process_group:
+    torch >= 2.6, and 2.6's leaves the default group initialised, so the next init fails;
+    hence torch >= 2.7): the only teardown that returns while a collective is pending. Destroying
     the group blocks then, on NCCL when a peer is gone and on Gloo while a peer still waits
     in a collective (measured, torch 2.13); on NCCL it is also what unblocks a collective
     from another thread. Without it: a survivor hangs in its teardown after a failure."""

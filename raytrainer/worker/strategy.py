@@ -137,8 +137,21 @@ class FSDP:
     replicated = False
     carrier = None  # no DDP bucket to ride on: the metrics window reduces the metrics
 
+    # The oldest torch FSDP is tested on (`bash .ci/oldest.sh`). FSDP2's public fully_shard
+    # came with 2.6, but 2.7 refuses reshard_after_forward=None, and on 2.8 a 2-rank run's
+    # validation metrics came out doubled and a checkpoint resharded to 3 ranks resumed to
+    # other weights (Gloo, CPU); 2.9 and 2.10 pass test_strategy, test_snapshot, test_sharded.
+    NEEDS_TORCH = "2.9"
+
     def __init__(self, cfg: TrainerConfig, task: Any = None):
         self.cfg, self.options, self.task = cfg, cfg.fsdp, task
+        if torch.__version__ < self.NEEDS_TORCH:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"trainer.strategy=fsdp needs torch >= {self.NEEDS_TORCH} (FSDP2, torch.distributed.fsdp."
+                f"fully_shard); the workers have torch {torch.__version__}: upgrade torch there, or use "
+                "trainer.strategy=ddp")
 
     def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule
