@@ -23,6 +23,7 @@ import traceback
 from typing import Any
 
 from ..callbacks import Callbacks
+from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
 from ..contract import Holdings, Node, RunEnd, Snapshot, Status
 from ..errors import ConfigError, PeerFailure, RaytrainerError, WorkerError
@@ -85,6 +86,14 @@ class Worker:
         ip = self.node().ip
         return ip, host_store(ip, self.config.failure.collective_timeout_s)
 
+    def read_checkpoint(self, ref: CheckpointRef) -> tuple[str | None, bytes | str | None]:
+        """A checkpoint's state, checked against its manifest here, where it is read (see
+        the contract): (None, state) or (why it is corrupt, None)."""
+        try:
+            return None, read_checkpoint(ref)
+        except (OSError, ValueError) as exc:
+            return str(exc), None
+
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
               resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]:
         """Join the group, build the task, and load `resume` if given: a torch.save'd state
@@ -142,8 +151,8 @@ class Worker:
                         node=self.node().node_id)
 
     def run(self) -> RunEnd:
-        """Train to the end ("finished"; rank 0 adds the final weights as torch.save
-        bytes), or stop at the last completed step when a peer failed ("interrupted") or
+        """Train to the end ("finished"; rank 0 writes the final weights to model.pt and
+        returns its path), or stop at the last completed step when a peer failed ("interrupted") or
         when asked to ("paused"); raise WorkerError when this worker's own code did."""
         import time
 
@@ -168,7 +177,7 @@ class Worker:
         if self.loop.paused:
             return RunEnd("paused", self.loop.step, time=time.time())
         return RunEnd("finished", self.loop.step, stop_reason=self.loop.stop_reason,
-                      model=_dump(weights) if weights is not None else None)
+                      model_uri=self._save_model(weights) if weights is not None else None)
 
     # ------------------------------------------------------------------ control (answered while run() trains)
 
@@ -224,9 +233,11 @@ class Worker:
 
     # ------------------------------------------------------------------ recovery (while run() is not running)
 
-    def get_state(self) -> bytes:
-        """This worker's training state, for workers that lost or lack theirs."""
-        return _dump(self.loop.state_dict())
+    def get_state(self) -> tuple[int, bytes]:
+        """This worker's training state, for workers that lost or lack theirs, and its size
+        (see the contract: the driver waits for the size, never for the state)."""
+        data = _dump(self.loop.state_dict())
+        return len(data), data
 
     def snapshots_held(self) -> Holdings:
         """The peer snapshots this worker holds (sharded state), for a recovery."""
@@ -256,6 +267,16 @@ class Worker:
             return self.loop.step
 
     # ------------------------------------------------------------------ helpers
+
+    def _save_model(self, weights: dict[str, Any]) -> str:
+        """Write the final weights to <run.storage>/<run.name>/model.pt, whole or not at
+        all; return where (the driver hands that path to its loggers, never the bytes)."""
+        from ..checkpoint import Storage
+
+        run = self.config.run
+        storage = Storage(run.storage)
+        storage.write_atomic(f"{run.name}/model.pt", _dump(weights))
+        return storage.uri_of(f"{run.name}/model.pt")
 
     @contextlib.contextmanager
     def _forming_group(self):
