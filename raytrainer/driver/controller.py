@@ -177,8 +177,9 @@ class Controller:
         finally:
             self.group.shutdown()
 
-    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> None:
-        """Place and start the workers, form the group (from `resume` if given), launch."""
+    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> Resume | None:
+        """Place and start the workers, form the group (from `resume` if given, or an older
+        checkpoint where that one is corrupt), launch; return the checkpoint it formed from."""
         nodes = self._nodes = self.group.start()
         self.world = len(nodes)
         self._paused, self._pause_asked, self._leaving = {}, None, {}
@@ -200,6 +201,7 @@ class Controller:
                         steps_per_epoch=formed.steps_per_epoch)
         self.group.launch()
         self._reset_progress()
+        return resume
 
     def _setup(self, resume: Resume | None) -> tuple[Formed, Resume | None]:
         """Form the group from `resume`; where the workers find that checkpoint corrupt,
@@ -274,9 +276,8 @@ class Controller:
                 failures, lost = exc.failures, exc.dead
             except NoSurvivors as exc:
                 self.group.shutdown()
-                resume = self.restore()
                 try:
-                    self._form(resume, time.monotonic())
+                    resume = self._form(self.restore(), time.monotonic())
                 except ReformFailed as exc:
                     failures, lost = exc.failures, exc.dead
                     continue
