@@ -78,6 +78,15 @@ def test_the_private_names_raytrainer_uses_exist(whose, module, name, why):
     assert found is not None and _has(found, name), f"{whose} removed {module}.{name}, which raytrainer uses for {why}"
 
 
+def test_accelerates_state_reset_is_where_it_was():
+    state = pytest.importorskip("accelerate.state", reason="accelerate (raytrainer[hf]) is not installed")
+    import accelerate
+
+    assert callable(getattr(state.AcceleratorState, "_reset_state", None)), (
+        f"accelerate {accelerate.__version__} removed AcceleratorState._reset_state, which raytrainer uses "
+        "for a Hugging Face Trainer's world size after a re-form (_internals.reset_accelerate_state)")
+
+
 def test_the_flight_recorder_and_the_scalers_device_are_where_they_were():
     # The flight recorder is optional (no dump on an older CPU build); on the torch we pin, it is there.
     if torch.__version__.startswith("2.13"):

@@ -234,6 +234,24 @@ def shutdown_loader_iterator(it: Any) -> None:
         stop()
 
 
+# ---------------------------------------------------------------------------- Hugging Face
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide AcceleratorState and PartialState, if accelerate is
+    loaded (AcceleratorState._reset_state(reset_partial_state=True): private; the method
+    accelerate resets them with in its own tests; checked on accelerate 1.15.0). They hold
+    the process group's shape, made once: after a re-form (a new group, maybe of another
+    size) a Hugging Face Trainer in the user's loop must make them again from the new
+    environment. Without it: the Trainer keeps the old world size and rank after a recovery
+    or a resize."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 # ---------------------------------------------------------------------------- Ray (worker side)
 
 
