@@ -20,6 +20,9 @@ the latest (rename is not atomic on object stores; a marker is). The manifest's
 checksum catches a truncated or corrupted state.pt at load time, and the next
 older checkpoint is used instead, with a warning. Everything loads with
 torch.load(weights_only=True): a checkpoint never unpickles code.
+
+The driver only finds checkpoints (their manifests: a CheckpointRef); the workers read
+and verify them (read_checkpoint): model bytes never pass through the driver.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ class Storage:
         with self.fs.open_output_stream(path) as f:
             f.write(data)
 
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write `rel` whole or not at all: on a local filesystem through a temporary file
+        renamed over it; an object store's PUT is atomic already."""
+        if not self.local:
+            return self.write(rel, data)
+        self.write(f"{rel}.tmp", data)
+        self.fs.move(self.path(f"{rel}.tmp"), self.path(rel))
+
     def read(self, rel: str) -> bytes:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return f.read()
@@ -106,6 +117,35 @@ class Committed:
     manifest: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A committed checkpoint as the driver knows it: where it is and its manifest, never
+    its state (the workers read it: read_checkpoint)."""
+
+    storage: str
+    """The storage URI it is under."""
+    rel: str
+    """Its directory, relative to `storage` ("" where `storage` is the directory itself)."""
+    name: str
+    step: int
+    manifest: dict[str, Any]
+
+
+def read_checkpoint(ref: CheckpointRef) -> bytes | str:
+    """What a worker starts from (see read_verified); ValueError or OSError if corrupt."""
+    return read_verified(Storage(ref.storage), ref.rel, ref.manifest)
+
+
+def find_checkpoint_dir(uri: str) -> CheckpointRef:
+    """A checkpoint named by its own directory (run.resume: PATH): its manifest."""
+    storage = Storage(uri)
+    try:
+        manifest = json.loads(storage.read(MARKER))
+    except (OSError, FileNotFoundError):
+        raise FileNotFoundError(f"{uri} holds no committed checkpoint (no {MARKER} marker)") from None
+    return CheckpointRef(uri, "", uri.rstrip("/").rsplit("/", 1)[-1], manifest["step"], manifest)
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -126,16 +166,6 @@ def read_verified(storage: Storage, rel: str, manifest: dict[str, Any]) -> bytes
     return data
 
 
-def load_checkpoint_dir(uri: str) -> tuple[Committed, bytes | str]:
-    """A checkpoint named by its own directory (run.resume: PATH)."""
-    storage = Storage(uri)
-    try:
-        manifest = json.loads(storage.read(MARKER))
-    except (OSError, FileNotFoundError):
-        raise FileNotFoundError(f"{uri} holds no committed checkpoint (no {MARKER} marker)") from None
-    return Committed(manifest["step"], uri.rstrip("/").rsplit("/", 1)[-1], manifest), read_verified(storage, "", manifest)
-
-
 class Checkpoints:
     """Lists, validates, loads, writes and prunes the checkpoints of one run."""
 
@@ -154,6 +184,15 @@ class Checkpoints:
                 manifest = json.loads(self.storage.read(marker))
                 found.append(Committed(manifest["step"], name, manifest))
         return sorted(found, key=lambda c: c.step)
+
+    def newest(self, before: int | None = None) -> CheckpointRef | None:
+        """The newest committed checkpoint (older than step `before`, if given), by its
+        manifest alone: what the driver resumes from; the workers read and verify it."""
+        found = [c for c in self.committed() if before is None or c.step < before]
+        if not found:
+            return None
+        ckpt = found[-1]
+        return CheckpointRef(self.storage.uri, f"{self.prefix}/{ckpt.name}", ckpt.name, ckpt.step, ckpt.manifest)
 
     def load_latest(self, warn: Callable[[str], None] = log.warning) -> tuple[Committed, bytes | str] | None:
         """The newest checkpoint whose state matches its manifest (see read_verified); a

@@ -28,6 +28,18 @@ class NoSurvivors(RaytrainerError):
     """Every worker was lost at once: only a checkpoint can continue the run."""
 
 
+class CheckpointCorrupt(RaytrainerError):
+    """A worker read a committed checkpoint that does not match its manifest: the next
+    older one is tried."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+        super().__init__(f"checkpoint {name} {why}")
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.why))
+
+
 class WorkerError(RaytrainerError):
     """User code (or the loop) raised on a worker; carries the rank and its traceback."""
 

@@ -10,16 +10,101 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray per test module (it takes seconds to start). address="local": always a
-    new one, never a Ray that another process on this machine started (a plain ray.init()
-    would join a live `ray start` or cluster_utils head it finds in /tmp/ray)."""
+# ---------------------------------------------------------------------------- Ray, shared
+#
+# Starting a Ray takes 5-10 s on a loaded 2-core VM, a multi-node cluster_utils cluster
+# more: the modules share one local Ray and one cluster instead of starting their own.
+# This process is connected to one of them at a time; the modules are ordered (see
+# pytest_collection_modifyitems) so that those using the local Ray run together, then those
+# using the cluster. Every test leaves them as it found them (assert_no_leaks).
+
+_connected: dict[str, object] = {"to": None}  # "local", a cluster's address, or None
+
+# Modules whose tests start their own Ray (or a job server, or whole contender processes)
+# in subprocesses: last (they mark their slow tests themselves).
+SUBPROCESS_MODULES = ("test_bench.py", "test_job_submit.py", "test_slurm.py")
+SHARED_RAY = {"ray_local": 1, "shared_cluster": 2}  # fixture -> its place in the run order
+
+
+def _connect(to: str, **options) -> None:
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    if _connected["to"] == to and ray.is_initialized():
+        return
+    if ray.is_initialized():
+        ray.shutdown()  # a local Ray this process started stops; a cluster is only left
+    _connected["to"] = None
+    ray.init(address=to, logging_level="WARNING", **options)
+    _connected["to"] = to
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _disconnect_at_the_end():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray with 4 CPUs, shared by the modules that use it. address="local": always
+    one this process starts, never a Ray that another process on this machine started (a
+    plain ray.init() would join a live `ray start` or cluster_utils head it finds in /tmp/ray)."""
+    import ray
+
+    _connect("local", num_cpus=4, include_dashboard=False)
     yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster():
+    """A multi-node Ray on this machine (ray_procs.local_cluster: a head with no CPUs for
+    workers, in its own temp dir), shared by the modules that need nodes: each asks for its
+    worker nodes with `cluster_with`."""
+    from .ray_procs import local_cluster
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _connected["to"] = None
+    with local_cluster(0) as cluster:
+        _connected["to"] = cluster.address
+        yield cluster
+        _connected["to"] = None
+
+
+def cluster_with(cluster, nodes: int):
+    """`cluster` connected here, with `nodes` fresh 1-CPU worker nodes and no other (the
+    nodes an earlier module added, removed, drained or left are all removed first)."""
+    _connect(cluster.address)
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _order(item) -> int:
+    if item.path.name in SUBPROCESS_MODULES:
+        return 3
+    return max((SHARED_RAY.get(f, 0) for f in item.fixturenames), default=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests without Ray first, then the modules on the shared local Ray, then those on the
+    shared cluster, then those that start Ray in subprocesses; a module's tests stay
+    together and in order. A test that needs a Ray, a cluster or a subprocess that trains is
+    marked slow: `-m "not slow"` is the quick lane."""
+    by_module: dict = {}
+    for item in items:
+        by_module[item.path] = max(by_module.get(item.path, 0), _order(item))
+        if any(f in SHARED_RAY for f in item.fixturenames):
+            item.add_marker(pytest.mark.slow)  # the subprocess modules mark their own
+    items.sort(key=lambda item: by_module[item.path])  # stable: a module's order is kept
 
 
 def assert_no_leaks(timeout_s=10.0):

@@ -30,7 +30,7 @@ class RegressionTask(Task):
 
     def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
-                 saving_marker=None, stall_pid_file=None):
+                 saving_marker=None, stall_pid_file=None, hidden=16):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
         self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
@@ -41,11 +41,12 @@ class RegressionTask(Task):
         # A path prefix: taking the model's state (a checkpoint, a copy for recovery) writes
         # <prefix><pid> and then takes a second, so a test can act while it is under way.
         self.saving_marker = saving_marker
+        self.hidden = hidden  # the model's width (its state: ~48 bytes per unit with SGD momentum)
         self.steps = 0
 
     def build_model(self):
-        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(self.dropout),
-                                    torch.nn.Linear(16, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(4, self.hidden), torch.nn.Tanh(), torch.nn.Dropout(self.dropout),
+                                    torch.nn.Linear(self.hidden, 1))
         if self.saving_marker:
             def slowly(module, state, prefix, local_metadata):
                 import os

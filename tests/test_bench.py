@@ -59,6 +59,7 @@ def assert_nothing_left(tag, timeout_s=20.0):
     assert not left, f"left running: {left}"
 
 
+@pytest.mark.slow
 def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     out = tmp_path / "bench.json"
     smoke = bench.BenchSpec(**bench.SMOKE)
@@ -197,6 +198,7 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert read_png(plot.path).shape[:2] == expected_shape(4)
 
 
+@pytest.mark.slow
 def test_a_contender_past_its_timeout_is_stopped_with_everything_it_started(tmp_path, tagged):
     # 8 s: raytrainer is starting Ray (or its workers) when it is stopped.
     spec = bench.BenchSpec(**{**bench.SMOKE, "timeout_s": 8.0})
@@ -258,6 +260,7 @@ def test_runs_in_parallel_keep_their_order_and_the_first_error_stops_the_rest():
     assert "queued" not in started
 
 
+@pytest.mark.slow
 def test_raw_fsdp2_trains_the_same_job_as_raw_ddp(tmp_path):
     """The raw FSDP2 contender (fully_shard on each Linear and the root, Gloo): the same
     data, batches and SGD as raw DDP, so the same loss after its steps, to float tolerance."""
@@ -268,6 +271,7 @@ def test_raw_fsdp2_trains_the_same_job_as_raw_ddp(tmp_path):
     assert fsdp["last_loss"] == pytest.approx(ddp["last_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagged):
     """`raytrainer bench --strategy fsdp`: raw FSDP2 against raytrainer's FSDP2, and a kill
     recovered from peer snapshots against one recovered from a checkpoint."""

@@ -56,7 +56,7 @@ class FakeGroup:
         self.calls.append(("shutdown",))
 
 
-WEIGHTS = RunEnd("finished", 3, stop_reason="completed", model=b"weights")
+WEIGHTS = RunEnd("finished", 3, stop_reason="completed", model_uri="weights")
 
 
 def rows(*steps):
@@ -374,3 +374,33 @@ def test_a_sharded_run_resizes_through_the_checkpoint_its_workers_wrote_as_they_
     resized = next(e for e in log if e["event"] == "resized")
     assert resized["step"] == 2 and resized["cause"] == "room to grow"
     assert not [e for e in log if e["event"] in ("worker_failed", "recovered")]
+
+
+def test_a_checkpoint_the_workers_find_corrupt_is_skipped_for_the_next_older(tmp_path):
+    """The driver only names the checkpoint; rank 0 reads it and reports it corrupt: the
+    controller warns, logs it, and forms the group from the next older one."""
+    from raytrainer.errors import CheckpointCorrupt
+
+    group = FakeGroup([Poll(rows(5, 6), done=True, result=WEIGHTS)])
+    setups = []
+
+    def setup(resume=None):
+        setups.append(resume)
+        if resume == "ref-6":
+            raise CheckpointCorrupt("step-00000006", "is corrupt: its state.pt differs")
+        return Formed(NODES, total_steps=6)
+
+    group.setup = setup
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    asked = []
+    controller = Controller(group, ControllerSettings(min_workers=2, poll_interval_s=0), Records(hub=hub, events=events),
+                            resume=(6, "step-00000006", "ref-6"),
+                            restore=lambda before=None: asked.append(before) or (4, "step-00000004", "ref-4"))
+    with pytest.warns(RuntimeWarning, match="checkpoint step-00000006 is corrupt.*falling back to an older one"):
+        assert controller.run() == WEIGHTS
+    events.close()
+    assert setups == ["ref-6", "ref-4"] and asked == [6]
+    log = read(tmp_path / "events.jsonl")
+    assert [(e["event"], e["step"]) for e in log if e["event"] in ("checkpoint_skipped", "resumed")] == [
+        ("checkpoint_skipped", 6), ("resumed", 4)]

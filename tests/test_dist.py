@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from raytrainer import dist
+from raytrainer.worker import dist
 
 
 def test_a_new_worker_has_imported_torch_dynamo_before_it_is_asked_to_join(tmp_path):

@@ -16,17 +16,15 @@ import raytrainer
 from raytrainer.data import BatchPlan
 from raytrainer.errors import PlacementError
 
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, cluster_with
 from .faults import Run, kill
-from .ray_procs import local_cluster
 
 NUM_SAMPLES, BATCH, STEPS, SEED = 200, 16, 300, 0  # 16 does not split over 3: uneven shards
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2) as cluster:
-        yield cluster
+def cluster(shared_cluster):
+    return cluster_with(shared_cluster, 2)
 
 
 def config(tmp_path, name, scaling, **args):

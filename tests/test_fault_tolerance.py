@@ -122,9 +122,13 @@ def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, 
     stacks = list((tmp_path / "hang").glob("stacks-rank1-step*.txt"))
     assert len(stacks) == 1 and "raytrainer/worker/chaos.py" in stacks[0].read_text()  # where it hung
     # Beside them, torch's flight record of its last collectives (Gloo here; NCCL on GPUs).
-    record = json.loads(stacks[0].with_name(stacks[0].name.replace("stacks", "collectives")
-                                            .replace(".txt", ".json")).read_text())
-    assert any(e["profiling_name"] == "gloo:all_reduce" for e in record["entries"])
+    # torch < 2.8 records NCCL's only (.ci/oldest.sh runs 2.7).
+    from raytrainer.worker import _internals
+
+    if _internals.records_gloo_collectives():
+        record = json.loads(stacks[0].with_name(stacks[0].name.replace("stacks", "collectives")
+                                                .replace(".txt", ".json")).read_text())
+        assert any(e["profiling_name"] == "gloo:all_reduce" for e in record["entries"])
     assert len(events(result, "recovered")) == 2
     assert_no_leaks()
 

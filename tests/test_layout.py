@@ -85,3 +85,120 @@ def test_the_driver_does_not_load_torch_or_the_worker_package():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('raytrainer.worker')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------- private names
+
+INTERNALS = {"raytrainer.worker._internals", "raytrainer.driver._internals"}
+# Underscored but documented as public by the standard library.
+STDLIB = {"sys._current_frames", "os._exit"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_names(paths) -> set[str]:
+    """Every name raytrainer itself defines (functions, classes, attributes, variables)."""
+    out = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                out.add(node.attr)
+            elif isinstance(node, ast.arg):
+                out.add(node.arg)
+    return out
+
+
+def _foreign_roots(tree) -> set[str]:
+    """The local names bound to torch or Ray modules by the imports of a module."""
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {(a.asname or a.name).split(".")[0] for a in node.names
+                      if a.name.split(".")[0] in ("torch", "ray")}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in ("torch", "ray"):
+            roots |= {a.asname or a.name for a in node.names}
+    return roots
+
+
+def _private_uses(source: str, where: str, ours: set[str]) -> list[str]:
+    """Private torch and Ray names used in `path`: imported (`torch._dynamo`, `from x import
+    _y`), reached from a torch or Ray name (`dist.distributed_c10d._world`), read off an
+    object where raytrainer defines no such name (`scaler._device`), or named as a string
+    (`getattr(it, "_shutdown_workers")`, `("torch.serialization", "_get_layout")`)."""
+    tree = ast.parse(source)
+    roots = _foreign_roots(tree)
+    found = []
+    for node in ast.walk(tree):
+        hit = None
+        if isinstance(node, ast.Import):
+            hit = next((a.name for a in node.names if any(map(_private, a.name.split(".")))), None)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            if any(map(_private, module.split("."))) or any(_private(a.name) for a in node.names):
+                hit = f"from {module} import {', '.join(a.name for a in node.names)}"
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            from_foreign = isinstance(base, ast.Name) and base.id in roots
+            if (from_foreign or node.attr not in ours) and ast.unparse(node) not in STDLIB:
+                hit = ast.unparse(node)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value) and node.args[1].value not in ours):
+            hit = ast.unparse(node)
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            strings = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if (any(s.split(".")[0] in ("torch", "ray") for s in strings)
+                    and any(_private(part) for s in strings for part in s.split("."))):
+                hit = ast.unparse(node)
+        if hit:
+            found.append(f"{where}:{node.lineno}: {hit}")
+    return sorted(found, key=lambda use: int(use.split(":")[1]))
+
+
+def test_private_torch_and_ray_names_are_used_only_in_the_internals_modules():
+    paths = sorted(PACKAGE.rglob("*.py"))
+    ours = _defined_names(p for p in paths if _module_name(p) not in INTERNALS)
+    found = [use for p in paths if _module_name(p) not in INTERNALS
+             for use in _private_uses(p.read_text(), str(p.relative_to(PACKAGE.parent)), ours)]
+    assert found == [], ("private torch or Ray names outside worker/_internals.py and driver/_internals.py "
+                         "(move each behind a function there, with why, the versions checked, and what "
+                         "happens without it, and a check in tests/test_internals.py):\n" + "\n".join(found))
+
+
+def test_no_class_overrides_a_private_torch_or_ray_method_outside_the_internals_modules():
+    import importlib
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if name in INTERNALS or path.name == "__main__.py":
+            continue
+        module = importlib.import_module(name)
+        for cls in [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == name]:
+            foreign = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in ("torch", "ray")]
+            methods = [attr for attr, v in vars(cls).items() if _private(attr) and (
+                inspect.isfunction(v) or isinstance(v, (property, staticmethod, classmethod)))]
+            found += [f"{name}.{cls.__name__}.{attr} overrides {base.__module__}.{base.__name__}.{attr}"
+                      for attr in methods for base in foreign if attr in vars(base)]
+    assert found == [], "private torch or Ray methods overridden outside the _internals modules:\n" + "\n".join(found)
+
+
+def test_the_private_name_check_finds_what_it_must():
+    """The check above, on code that uses each kind of private name."""
+    code = ("import torch\nimport torch.distributed as dist\nfrom torch.nn.modules.batchnorm import _BatchNorm\n"
+            "import torch._dynamo\nfrom ray._private import state\n"
+            "dist.distributed_c10d._world.group_count = 0\nscaler._device\ngetattr(it, '_shutdown_workers')\n"
+            "ALLOWED = {('torch.serialization', '_get_layout')}\nself._ours\nsys._current_frames()\n")
+    found = [use.split(": ", 1)[1] for use in _private_uses(code, "probe.py", {"_ours"})]
+    assert found == ["from torch.nn.modules.batchnorm import _BatchNorm", "torch._dynamo",
+                     "from ray._private import state", "dist.distributed_c10d._world", "scaler._device",
+                     "getattr(it, '_shutdown_workers')", "('torch.serialization', '_get_layout')"], found

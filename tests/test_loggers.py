@@ -255,7 +255,7 @@ def test_a_logger_is_imported_only_when_configured_and_missing_packages_are_conf
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
-    from raytrainer import loggers
+    from raytrainer.driver import loggers
     from raytrainer.config import LoggerConfig
 
     monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda name: None)

@@ -7,17 +7,15 @@ import pytest
 
 import raytrainer
 
-from .conftest import assert_no_leaks
-from .ray_procs import local_cluster
+from .conftest import assert_no_leaks, cluster_with
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    with local_cluster(2) as cluster:
-        yield cluster
+def cluster(shared_cluster):
+    return cluster_with(shared_cluster, 2)
 
 
-def test_workers_on_two_nodes_check_the_storage_and_train(two_nodes, tmp_path):
+def test_workers_on_two_nodes_check_the_storage_and_train(cluster, tmp_path):
     cfg = {
         "task": {"target": "tests.tasks:RegressionTask", "args": {}},
         "trainer": {"max_steps": 4, "global_batch_size": 32},

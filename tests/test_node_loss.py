@@ -5,9 +5,9 @@ a node that has room; the run ends bit-identical to an undisturbed one."""
 import pytest
 import torch
 
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, cluster_with
 from .faults import Run, kill
-from .ray_procs import local_cluster, parent
+from .ray_procs import parent
 
 
 def config(tmp_path, name, slow_while=None):
@@ -22,9 +22,8 @@ def config(tmp_path, name, slow_while=None):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(0) as cluster:  # a head with no CPUs for workers, nodes added by the tests
-        yield cluster
+def cluster(shared_cluster):
+    return cluster_with(shared_cluster, 0)  # a head with no CPUs for workers, nodes added by the tests
 
 
 def test_a_node_with_two_workers_lost_is_one_recovery(cluster, tmp_path):

@@ -116,7 +116,7 @@ def read(path):
 
 def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_path):
     paused = RunEnd("paused", 2, time=time.time())
-    done = RunEnd("finished", 4, stop_reason="completed", model=b"w")
+    done = RunEnd("finished", 4, stop_reason="completed", model_uri="w")
     group = DrainedGroup([Poll(rows(1)), Poll(rows(2)), Poll([]), Poll(paused={0: paused}),
                           Poll(paused={1: paused}), Poll(rows(3, 4), done=True, result=done)])
     events = EventLog(tmp_path / "events.jsonl")
@@ -142,7 +142,7 @@ def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_
 
 def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
     paused = RunEnd("paused", 2, time=time.time())
-    done = RunEnd("finished", 4, stop_reason="completed", model=b"w")
+    done = RunEnd("finished", 4, stop_reason="completed", model_uri="w")
 
     class NoRoom(DrainedGroup):
         def reform(self, dead, leave=()):
@@ -189,11 +189,10 @@ def config(tmp_path, name, slow_while=None, **scaling):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from .ray_procs import local_cluster
+def cluster(shared_cluster):
+    from .conftest import cluster_with
 
-    with local_cluster(3) as cluster:  # a head with no CPUs for workers, three 1-CPU nodes
-        yield cluster
+    return cluster_with(shared_cluster, 3)  # a head with no CPUs for workers, three 1-CPU nodes
 
 
 @pytest.fixture(scope="module")

@@ -93,14 +93,17 @@ def _train(rank, world_size, tmp):
     from raytrainer.worker.sharded import ShardedEMA, full_model_state, local_param_bytes, shard_model
 
     reduce_scatters = 0
-    original = dist.reduce_scatter_single
+    # What FSDP2 calls, looked up at call time: reduce_scatter_single on torch 2.13,
+    # reduce_scatter_tensor on older torch (2.10).
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
 
     def counting(*args, **kwargs):
         nonlocal reduce_scatters
         reduce_scatters += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting  # what FSDP2 calls, looked up at call time
+    setattr(dist, name, counting)
 
     model = shard_model(make_model(), reshard_after_forward=True)
     optimizer = make_optimizer(model)

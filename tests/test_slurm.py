@@ -8,8 +8,12 @@ import os
 import stat
 import subprocess
 
+import pytest
+
 from .conftest import ROOT
 from .ray_procs import free_port, short_temp_dir, token_env, wait_gone
+
+pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
 
 FAKE_SRUN = """#!/usr/bin/env bash
 # Fake srun: drop the step's options, run its command on this machine.

@@ -107,3 +107,16 @@ def test_resuming_with_another_strategy_than_the_checkpoints_is_a_config_error(t
     with pytest.raises(ConfigError, match="is sharded .* this run has trainer.strategy=ddp"):
         Loop(RegressionTask(), LoopSettings(trainer=cfg), rank=0, world_size=1, device=torch.device("cpu"),
              state=str(tmp_path / "step-00000002"))
+
+
+def test_fsdp_on_a_torch_too_old_for_it_is_a_config_error_naming_the_version(monkeypatch):
+    """What a worker with torch 2.7 meets (.ci/oldest.sh runs this on the oldest torch, unpatched)."""
+    from torch.torch_version import TorchVersion
+
+    from raytrainer.errors import ConfigError
+    from raytrainer.worker.strategy import FSDP, build_strategy
+
+    if torch.__version__ >= FSDP.NEEDS_TORCH:
+        monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1"))
+    with pytest.raises(ConfigError, match=r"trainer.strategy=fsdp needs torch >= 2.9 .* trainer.strategy=ddp"):
+        build_strategy(TrainerConfig(max_steps=2, global_batch_size=16, strategy="fsdp"), 2)

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..callbacks import Callback, Callbacks, RunContext
-from ..checkpoint import Checkpoints, Storage, load_checkpoint_dir
+from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config
 from ..contract import Resume
+from ._internals import started_local_ray
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError
 from ..task import describe
@@ -75,7 +76,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         init_ray(address)
     try:
         return _run(config, storage, run_dir, resume, progress=progress,
-                    cluster_can_grow=not _started_local_ray(), callbacks=list(callbacks))
+                    cluster_can_grow=not started_local_ray(), callbacks=list(callbacks))
     finally:
         if connected_here:
             ray.shutdown()
@@ -198,24 +199,15 @@ def _local_mirror(storage: Storage, name: str) -> Path:
     return mirror
 
 
-def _started_local_ray() -> bool:
-    """Whether this process started the Ray it is connected to (so no autoscaler can add
-    capacity, and Ray's own fate-sharing stops it if this process is killed)."""
-    import ray
-
-    node = getattr(ray._private.worker, "_global_node", None)
-    return bool(node is not None and node.head)
-
-
 def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | None:
     """The checkpoint to start from, per run.resume."""
     mode = config.run.resume
     if mode not in ("auto", "never"):
         try:
-            ckpt, data = load_checkpoint_dir(mode)
+            ref = find_checkpoint_dir(mode)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"run.resume={mode!r}: {exc}") from None
-        return ckpt.step, mode, data
+        return ref.step, mode, ref
     found = _latest(config, storage) if mode == "auto" else None
     if found is not None:
         return found
@@ -229,10 +221,11 @@ def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | No
     return None
 
 
-def _latest(config: Config, storage: Storage) -> Resume | None:
-    """The newest committed checkpoint of the run, for a restart when no worker survived."""
-    found = Checkpoints(storage, config.run.name, config.checkpoint).load_latest(warn=_warn)
-    return (found[0].step, found[0].name, found[1]) if found else None
+def _latest(config: Config, storage: Storage, before: int | None = None) -> Resume | None:
+    """The newest committed checkpoint of the run (before step `before`, if given), by its
+    manifest: to resume from, or restart from when no worker survived. The workers read it."""
+    ref = Checkpoints(storage, config.run.name, config.checkpoint).newest(before)
+    return (ref.step, ref.name, ref) if ref else None
 
 
 def _warn(message: str) -> None:
@@ -299,13 +292,12 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
         records = Records(hub=hub, events=events, progress=bar, callbacks=driver_callbacks,
                           context=RunContext(run_dir, config))
         controller = Controller(group, ControllerSettings.of(config), records, resume=resume,
-                                restore=lambda: _latest(config, storage))
+                                restore=lambda before=None: _latest(config, storage, before))
         result = controller.run()
-        tmp = run_dir / "model.pt.tmp"
-        if result.model is not None:  # your own loop may end with no model to save
-            tmp.write_bytes(result.model)  # torch.save bytes: the driver never imports torch
-            os.replace(tmp, run_dir / "model.pt")  # never a half-written model.pt
-            hub.artifact(run_dir / "model.pt", "model")
+        # Rank 0 wrote model.pt to the run's storage: the loggers get its path (a local
+        # one; on remote storage they would have to fetch the weights through this process).
+        if storage.local and result.model_uri is not None:
+            hub.artifact(Path(result.model_uri), "model")
     finally:
         hub.close()
         events.close()

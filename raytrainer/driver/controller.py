@@ -41,15 +41,17 @@ before its workers could leave is a lost node like any other: a failure, recover
 from __future__ import annotations
 
 import enum
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
-from ..contract import Failure, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from ..errors import NoSurvivors, RaytrainerError, WorkerError
+from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
+from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
 from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, root_causes
 
@@ -101,12 +103,13 @@ class Records:
 
 class Controller:
     def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
-                 resume: Resume | None = None, restore: Callable[[], Resume | None] | None = None):
+                 resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None):
         self.group = group
-        self.resume = resume  # (step, checkpoint name, state bytes) to start from
+        self.resume = resume  # (step, checkpoint name, where it is) to start from
         self.failure = settings.failure
         self.policy = FailurePolicy(self.failure.max_failures)
-        self.restore = restore or (lambda: None)  # the newest committed checkpoint, if any
+        # The newest committed checkpoint (before a step, if given), if any.
+        self.restore = restore or (lambda before=None: None)
         self.num_workers = settings.min_workers
         self.max_workers = settings.max_workers or settings.min_workers
         self.world = 0  # the current world size
@@ -174,8 +177,9 @@ class Controller:
         finally:
             self.group.shutdown()
 
-    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> None:
-        """Place and start the workers, form the group (from `resume` if given), launch."""
+    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> Resume | None:
+        """Place and start the workers, form the group (from `resume` if given, or an older
+        checkpoint where that one is corrupt), launch; return the checkpoint it formed from."""
         nodes = self._nodes = self.group.start()
         self.world = len(nodes)
         self._paused, self._pause_asked, self._leaving = {}, None, {}
@@ -183,7 +187,7 @@ class Controller:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
                 self.events.log("storage_checked", step=self.step, **checked)
-        formed = self.group.setup(resume[2] if resume else None)
+        formed, resume = self._setup(resume)
         self._replicated = formed.replicated
         self.step = self.ctx.step = resume[0] if resume else 0
         self._train_step = max(self._train_step, self.step)
@@ -197,6 +201,24 @@ class Controller:
                         steps_per_epoch=formed.steps_per_epoch)
         self.group.launch()
         self._reset_progress()
+        return resume
+
+    def _setup(self, resume: Resume | None) -> tuple[Formed, Resume | None]:
+        """Form the group from `resume`; where the workers find that checkpoint corrupt,
+        say so and form it from the next older one (from step 0 when none is left)."""
+        while True:
+            try:
+                return self.group.setup(resume[2] if resume else None), resume
+            except CheckpointCorrupt as exc:
+                message = f"{exc}; falling back to an older one"
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                print(f"raytrainer: warning: {message}", file=sys.stderr)
+                self.events.log("checkpoint_skipped", step=resume[0], checkpoint=resume[1], why=exc.why)
+                resume = self.restore(resume[0])
+                if resume is None and self.state is State.STARTING:  # nothing to resume from after all
+                    raise ConfigError(f"{exc}, and the run has no older intact checkpoint to start from: set "
+                                      "run.resume to another checkpoint, or choose another run.name "
+                                      "(e.g. --set run.name=NEW)") from None
 
     def _poll(self) -> Poll:
         poll = self.group.poll(self.poll_interval_s)
@@ -254,9 +276,8 @@ class Controller:
                 failures, lost = exc.failures, exc.dead
             except NoSurvivors as exc:
                 self.group.shutdown()
-                resume = self.restore()
                 try:
-                    self._form(resume, time.monotonic())
+                    resume = self._form(self.restore(), time.monotonic())
                 except ReformFailed as exc:
                     failures, lost = exc.failures, exc.dead
                     continue

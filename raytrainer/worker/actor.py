@@ -23,6 +23,7 @@ import traceback
 from typing import Any
 
 from ..callbacks import Callbacks
+from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
 from ..contract import Holdings, Node, RunEnd, Snapshot, Status
 from ..errors import ConfigError, PeerFailure, RaytrainerError, WorkerError
@@ -41,7 +42,9 @@ class Worker:
         # or a grow. Every worker has imported it before its first step either way, so
         # training does not change (an earlier measurement of steady-state steps after
         # this import was noisy and bimodal).
-        import torch._dynamo  # noqa: F401
+        from . import _internals
+
+        _internals.import_dynamo()
 
         from . import loop  # noqa: F401
         from .snapshot import PeerSnapshots
@@ -82,6 +85,14 @@ class Worker:
 
         ip = self.node().ip
         return ip, host_store(ip, self.config.failure.collective_timeout_s)
+
+    def read_checkpoint(self, ref: CheckpointRef) -> tuple[str | None, bytes | str | None]:
+        """A checkpoint's state, checked against its manifest here, where it is read (see
+        the contract): (None, state) or (why it is corrupt, None)."""
+        try:
+            return None, read_checkpoint(ref)
+        except (OSError, ValueError) as exc:
+            return str(exc), None
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
               resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]:
@@ -140,8 +151,8 @@ class Worker:
                         node=self.node().node_id)
 
     def run(self) -> RunEnd:
-        """Train to the end ("finished"; rank 0 adds the final weights as torch.save
-        bytes), or stop at the last completed step when a peer failed ("interrupted") or
+        """Train to the end ("finished"; rank 0 writes the final weights to model.pt and
+        returns its path), or stop at the last completed step when a peer failed ("interrupted") or
         when asked to ("paused"); raise WorkerError when this worker's own code did."""
         import time
 
@@ -166,7 +177,7 @@ class Worker:
         if self.loop.paused:
             return RunEnd("paused", self.loop.step, time=time.time())
         return RunEnd("finished", self.loop.step, stop_reason=self.loop.stop_reason,
-                      model=_dump(weights) if weights is not None else None)
+                      model_uri=self._save_model(weights) if weights is not None else None)
 
     # ------------------------------------------------------------------ control (answered while run() trains)
 
@@ -222,9 +233,11 @@ class Worker:
 
     # ------------------------------------------------------------------ recovery (while run() is not running)
 
-    def get_state(self) -> bytes:
-        """This worker's training state, for workers that lost or lack theirs."""
-        return _dump(self.loop.state_dict())
+    def get_state(self) -> tuple[int, bytes]:
+        """This worker's training state, for workers that lost or lack theirs, and its size
+        (see the contract: the driver waits for the size, never for the state)."""
+        data = _dump(self.loop.state_dict())
+        return len(data), data
 
     def snapshots_held(self) -> Holdings:
         """The peer snapshots this worker holds (sharded state), for a recovery."""
@@ -255,6 +268,16 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
 
+    def _save_model(self, weights: dict[str, Any]) -> str:
+        """Write the final weights to <run.storage>/<run.name>/model.pt, whole or not at
+        all; return where (the driver hands that path to its loggers, never the bytes)."""
+        from ..checkpoint import Storage
+
+        run = self.config.run
+        storage = Storage(run.storage)
+        storage.write_atomic(f"{run.name}/model.pt", _dump(weights))
+        return storage.uri_of(f"{run.name}/model.pt")
+
     @contextlib.contextmanager
     def _forming_group(self):
         """Mark a setup or regroup call for status(): the driver blames a worker that does
@@ -267,11 +290,10 @@ class Worker:
 
     def _chaos_claim(self, fault: int, step: int) -> bool:
         """Once per run across processes: the first claim of (fault, step) in Ray's KV store."""
-        from ray.experimental.internal_kv import _internal_kv_put
+        from . import _internals
 
         run = self.config.run
-        key = f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}"
-        return not _internal_kv_put(key, b"1", overwrite=False)
+        return _internals.kv_put_if_absent(f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}", b"1")
 
     def _checkpoints(self):
         from ..checkpoint import Checkpoints, Storage
@@ -323,16 +345,14 @@ def _worker_error(worker: Worker, exc: Exception) -> Exception:
 
 
 def _peer_failure(exc: Exception) -> bool:
-    """Whether `exc` is a collective failing because a peer died or left (Gloo raises a
-    plain RuntimeError naming its transport; NCCL and newer torch a DistError)."""
+    """Whether `exc` is a collective or a rendezvous failing because a peer died or left:
+    torch's typed errors (DistBackendError from NCCL, DistNetworkError and DistStoreError
+    from the store), and the bare RuntimeError of Gloo's transport (see _internals)."""
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
-                                      "ProcessGroupGloo", "NCCL error", "Socket Timeout"))
+    from . import _internals
+
+    return isinstance(exc, dist.DistError) or _internals.is_gloo_transport_error(exc)
 
 
 def _in_collective(frame: Any) -> bool:

@@ -11,6 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import _internals
+
 
 def choose_backend(setting: str, use_gpu: bool) -> str:
     if setting != "auto":
@@ -49,21 +51,15 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
     global _hosted
     if dist.is_initialized():
         leave_group(failed=True)
-    # torch names the default group after a per-process counter (_world.group_count), and the
-    # group's keys in the store carry that name. The counter moves before the rendezvous and
-    # goes back to 0 only when a group is destroyed or aborted, so after an init that failed
-    # (a peer lost while the group formed) this process would name its next group "1" while a
-    # fresh replacement names it "0": each side waits for keys the other never writes, for
-    # timeout_s, at every later attempt too (seen: a double kill's re-form waiting 600 s).
-    # With no group left in this process, the next one is its first: count from 0, as a new
-    # process does.
+    # With no group left in this process, the next one is its first: name it as a new
+    # process does (after a failed init torch would not; see _internals).
     if not dist.is_initialized():
-        dist.distributed_c10d._world.group_count = 0
+        _internals.reset_group_count()
     # The flight recorder keeps the last collectives of each rank (Gloo and NCCL), dumped
     # beside the stacks of a hung worker. NCCL: on an error or a timeout the watchdog
     # aborts the communicators and the collective raises, but it never kills the process
     # (2: CleanUpOnly; torch's default 3 would take the survivor's state with it).
-    recorder = "TORCH_FR_BUFFER_SIZE" if _dump_flight_record() else "TORCH_NCCL_TRACE_BUFFER_SIZE"  # torch < 2.8
+    recorder = "TORCH_FR_BUFFER_SIZE" if _internals.records_gloo_collectives() else "TORCH_NCCL_TRACE_BUFFER_SIZE"
     os.environ.setdefault(recorder, str(FLIGHT_RECORDER_ENTRIES))
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -99,7 +95,7 @@ def leave_group(failed: bool = False) -> None:
         # be freed: a deadlock (seen with py-spy, a Hugging Face Trainer's all_gather of
         # its loss, about one kill in fifteen). A few idle threads per failure instead.
         _ABORTED.append(dist.group.WORLD)
-        dist.distributed_c10d._abort_process_group()
+        _internals.abort_process_group()
     else:
         dist.destroy_process_group()
 
@@ -110,22 +106,17 @@ def abort_group() -> bool:
     collective; the peer's death already fails it)."""
     if not (dist.is_initialized() and dist.get_backend() == "nccl"):
         return False
-    dist.distributed_c10d._abort_process_group()
+    _internals.abort_process_group()
     return True
 
 
 def flight_record() -> bytes | None:
     """The flight recorder's JSON dump of this process's recent collectives, if any."""
-    dump = _dump_flight_record() or getattr(torch._C._distributed_c10d, "_dump_nccl_trace_json", None)
+    dump = _internals.flight_recorder_dump()
     try:
         return dump() if dump is not None else None
     except RuntimeError:
         return None
-
-
-def _dump_flight_record():
-    """torch >= 2.8 records Gloo and NCCL collectives alike; older torch, NCCL's only."""
-    return getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
 
 
 def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ..config import DataConfig
 from ..data import BatchPlan, fetch, val_shard
 from ..errors import ConfigError, TaskError
+from . import _internals
 
 STREAM_SIZE = sys.maxsize // 4
 """What a stream counts as its length in the BatchPlan: its epoch never ends."""
@@ -162,9 +163,7 @@ def _next(it: Iterator, what: str) -> Any:
 
 
 def _shutdown(it: Iterator | None) -> None:
-    stop = getattr(it, "_shutdown_workers", None)
-    if stop is not None:
-        stop()
+    _internals.shutdown_loader_iterator(it)
 
 
 class LoaderProcessDied(RuntimeError):

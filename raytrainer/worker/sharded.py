@@ -51,11 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import Storage
+from . import _internals
 
 PLAIN = "plain.pt"  # the values of `state` that hold no tensor, written by rank 0
 DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) after every rank's shards
@@ -182,7 +183,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     for t in local:
         by_device.setdefault(t.device, []).append(t)
     for dev, ts in by_device.items():
-        torch._foreach_mul_(ts, coef.to(dev))
+        _internals.foreach_mul_(ts, coef.to(dev))
     return total
 
 
@@ -211,7 +212,7 @@ class ShardedEMA:
         else:
             floats = [(_local(s), _local(c)) for s, c in zip(self.shadow, current) if s.is_floating_point()]
             if floats:
-                torch._foreach_lerp_([s for s, _ in floats], [c for _, c in floats], 1.0 - self.decay)
+                _internals.foreach_lerp_([s for s, _ in floats], [c for _, c in floats], 1.0 - self.decay)
             for s, c in zip(self.shadow, current):
                 if not s.is_floating_point():
                     _local(s).copy_(_local(c))
@@ -384,23 +385,23 @@ class ArrowWriter(FileSystemWriter):
         self.path = path
 
 
-class ArrowReader(FileSystemReader):
+class ArrowReader(_internals.dcp_reader_base()):
     def __init__(self, storage: Storage, path: str):
         super().__init__(path)
         self.fs = ArrowFileSystem(storage.fs)
         self.path = path
 
-    def _slice_file(self, file, sinfo):
+    def read_item(self, file, sinfo):
         """One item of a shard file. On an object store, one ranged GET for the item's
         bytes: torch.load reads a view in many small pieces, each a request there
         (measured: 516 GETs to load a 2.5k-parameter model and its AdamW state, 2.7 s on
         moto's server, against 0.3 s and 36 GETs now)."""
         if self.fs.local:
-            return super()._slice_file(file, sinfo)
+            return self.default_read_item(file, sinfo)
         return io.BytesIO(file.read_at(sinfo.length, sinfo.offset))
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = self.metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
         if getattr(metadata, "storage_meta", None) is None:
@@ -414,9 +415,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     of torch.distributed.checkpoint.metadata, the filesystem's _StorageInfo, torch.Size,
     dtypes, layouts and memory formats."""
 
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-               ("collections", "OrderedDict")}
+    ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), *_internals.DCP_METADATA_GLOBALS}
 
     def find_class(self, module: str, name: str):
         import torch.distributed.checkpoint.metadata as dcp_metadata
@@ -435,9 +434,7 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            _internals.dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

@@ -17,6 +17,7 @@ import torch
 
 from ..config import TrainerConfig
 from ..errors import ConfigError
+from . import _internals
 from .strategy import Strategy
 from ..task import Task
 
@@ -92,7 +93,7 @@ class TrainState:
                 for buffer, saved in zip(self.module.buffers(), self._buffers):
                     buffer.copy_(saved)
         if self.scaler is not None:  # an unscale_ without its step would be remembered
-            fresh = type(self.scaler)(self.scaler._device)
+            fresh = type(self.scaler)(_internals.grad_scaler_device(self.scaler))
             fresh.load_state_dict(self.scaler.state_dict())
             self.scaler = fresh
         self.module.train()

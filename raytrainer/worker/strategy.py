@@ -22,6 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TrainerConfig
+from . import _internals
 from .syncbn import convert_sync_batchnorm
 from .window import Carrier
 
@@ -95,8 +96,7 @@ class DDP:
         ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
         self.carrier = Carrier(device)
         ddp.register_comm_hook(self.carrier, _allreduce_carrying)  # before the reducer is wrapped
-        if hasattr(ddp.reducer, "_rebuild_buckets"):
-            ddp.reducer = _FixedBuckets(ddp.reducer)
+        _internals.keep_initial_buckets(ddp)  # bit-identical after a re-form
         return ddp
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -137,8 +137,21 @@ class FSDP:
     replicated = False
     carrier = None  # no DDP bucket to ride on: the metrics window reduces the metrics
 
+    # The oldest torch FSDP is tested on (`bash .ci/oldest.sh`). FSDP2's public fully_shard
+    # came with 2.6, but 2.7 refuses reshard_after_forward=None, and on 2.8 a 2-rank run's
+    # validation metrics came out doubled and a checkpoint resharded to 3 ranks resumed to
+    # other weights (Gloo, CPU); 2.9 and 2.10 pass test_strategy, test_snapshot, test_sharded.
+    NEEDS_TORCH = "2.9"
+
     def __init__(self, cfg: TrainerConfig, task: Any = None):
         self.cfg, self.options, self.task = cfg, cfg.fsdp, task
+        if torch.__version__ < self.NEEDS_TORCH:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"trainer.strategy=fsdp needs torch >= {self.NEEDS_TORCH} (FSDP2, torch.distributed.fsdp."
+                f"fully_shard); the workers have torch {torch.__version__}: upgrade torch there, or use "
+                "trainer.strategy=ddp")
 
     def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule
@@ -216,27 +229,6 @@ class FSDP:
         return load_sharded(template, Storage(parent), name)  # resharded to this world size
 
 
-class _FixedBuckets:
-    """DDP's reducer, except that it never rebuilds its gradient buckets.
-
-    DDP re-buckets once, after its first iteration, by the order gradients became ready.
-    The bucket layout decides how a collective splits the gradients over ranks, and so
-    the order in which each element is summed: with 3 or more ranks a fresh DDP (every
-    re-form) would sum its first step differently from the undisturbed run, and the
-    weights would drift by a few ulps (measured: Gloo, 3 ranks). The layout DDP starts
-    with (parameters in reverse order, which backward mostly follows) is kept instead.
-    Any other use of the reducer passes through."""
-
-    def __init__(self, reducer: Any):
-        self._reducer = reducer
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reducer, name)
-
-
 # Unannotated: DDP rejects a hook whose annotations are not its own types (strings here).
 def _allreduce_carrying(carrier, bucket):
     """DDP's gradient all-reduce, with the step's metrics (carrier.outgoing) appended to
@@ -262,7 +254,7 @@ def _allreduce_carrying(carrier, bucket):
     metrics, so every run of a config at a world size sums alike, and a run with kills
     ends bit-identical to an undisturbed one (the promise); against hookless DDP it is
     another rounding of the same sum, like the one DDP's own re-bucketing would bring
-    (see _FixedBuckets). Making it vanish would take padding that keeps Gloo's boundaries,
+    (see _internals.keep_initial_buckets). Making it vanish would take padding that keeps Gloo's boundaries,
     which no padding can once the appended values exceed the last segment's slack."""
     import torch.distributed as dist
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import _internals
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -33,11 +34,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad
 
 
-class GlooSyncBatchNorm(_BatchNorm):
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-
+class GlooSyncBatchNorm(_internals.BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
@@ -68,7 +65,7 @@ def convert_sync_batchnorm(module: torch.nn.Module, device: torch.device) -> tor
     if device.type == "cuda":
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     out = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
+    if _internals.is_batchnorm(module) and not isinstance(module, GlooSyncBatchNorm):
         out = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                 module.track_running_stats)
         if module.affine:

@@ -41,6 +41,7 @@ from ..checkpoint import Checkpoints, Committed, to_cpu
 from ..config import Config
 from ..data import BatchPlan
 from ..errors import ConfigError, TaskError
+from . import _internals
 from .dist import all_reduce_sum
 from .loop import Loop
 from .saver import CheckpointSaver
@@ -283,12 +284,9 @@ class LoopContext:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            from .strategy import _FixedBuckets
-
             model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
                                             else None)
-            if hasattr(model.reducer, "_rebuild_buckets"):  # sums alike after a re-form (strategy.py)
-                model.reducer = _FixedBuckets(model.reducer)
+            _internals.keep_initial_buckets(model)  # sums alike after a re-form
         loop.model = model
         return model
 
@@ -398,10 +396,5 @@ def _number(value: Any) -> float:
 def _forget_framework_state() -> None:
     """accelerate (under Hugging Face's Trainer) keeps the process group's shape in
     process-wide singletons, made once: after a re-form (a new group, maybe of another
-    size) they must be made again from the new environment. A private method of
-    accelerate's, the one it resets them with in its own tests."""
-    import sys
-
-    state = sys.modules.get("accelerate.state")
-    if state is not None:
-        state.AcceleratorState._reset_state(reset_partial_state=True)
+    size) they must be made again from the new environment (see _internals)."""
+    _internals.reset_accelerate_state()

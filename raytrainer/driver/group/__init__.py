@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from ...checkpoint import CheckpointRef
 from ...config import Config
 from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
 from ...errors import NoSurvivors, PlacementError
@@ -79,12 +80,14 @@ class RayWorkerGroup:
             lambda path: gather([a.sees_file.remote(path) for a in self.roster.actors]),
         )
 
-    def setup(self, resume: bytes | str | None = None) -> Formed:
-        """Form the process group and build the task on every worker, loading `resume`
-        (checkpoint bytes, put in the object store once for all workers, or a sharded
-        checkpoint's URI). Raises ReformFailed if a worker is lost meanwhile."""
+    def setup(self, resume: CheckpointRef | None = None) -> Formed:
+        """Form the process group and build the task on every worker, loading `resume`:
+        rank 0 reads it and checks it against its manifest, and its state (state.pt's bytes,
+        left in the object store, or a sharded checkpoint's URI) goes to every worker by
+        reference, never through this process. Raises CheckpointCorrupt if it does not match
+        its manifest, and ReformFailed if a worker is lost meanwhile."""
         self.forming.clear()
-        state = ray.put(resume) if resume is not None else None
+        state = self.forming.read_checkpoint(resume) if resume is not None else None
         results = self.forming.form({rank: (None, state) for rank in range(len(self.roster.actors))}, self.use_gpu)
         total_steps, steps_per_epoch, replicated = results[0]
         return Formed(list(self.roster.nodes), total_steps, steps_per_epoch, replicated)

@@ -20,6 +20,7 @@ from ...config import Config
 from ...contract import WORKER_ACTOR, Failure, Node
 from ...errors import PeerFailure, RaytrainerError, WorkerError
 from ...task import import_object
+from .._internals import is_placement_group_resource
 
 # Calls the driver makes while run() trains or is blocked: a concurrency group of their
 # own, so that a worker stuck in a collective still answers them.
@@ -131,7 +132,7 @@ def resources_text(free: bool = True) -> str:
     bundle resources and node labels left out)."""
     total = ray.cluster_resources()
     keys = sorted(k for k in total if not k.startswith(("node:", "accelerator_type:"))
-                  and "_group_" not in k and k not in ("memory", "object_store_memory"))
+                  and not is_placement_group_resource(k) and k not in ("memory", "object_store_memory"))
     if not free:
         return "the cluster has " + ", ".join(f"{k} {total[k]:g}" for k in keys) + " in total"
     available = ray.available_resources()

@@ -15,21 +15,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ...config import Config
 from ...contract import Node
+from .._internals import draining_nodes  # noqa: F401 (the group asks for it here)
 from .actors import Roster, Slot, start_worker
 from .slots import Joiner, Slots
-
-
-def draining_nodes() -> dict[str, float | None]:
-    """The nodes being drained: node id -> deadline (time.time() seconds, None: none). Ray's
-    own view, as Ray Train's and Ray Data's preemption handling read it (a private API: none
-    public yet); {} if it cannot be read."""
-    try:
-        from ray._private import state
-
-        nodes = state.state.get_draining_nodes()  # node id hex -> deadline ms, 0: none
-    except Exception:  # noqa: BLE001 - an older Ray, or the GCS busy: look again later
-        return {}
-    return {node: (ms / 1000 if ms else None) for node, ms in nodes.items()}
 
 
 class Moves:

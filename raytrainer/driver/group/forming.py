@@ -21,9 +21,10 @@ from typing import Any
 
 import ray
 
+from ...checkpoint import CheckpointRef
 from ...config import Config
 from ...contract import Failure, Holdings, ReformFailed, Snapshot, Status
-from ...errors import NoSurvivors
+from ...errors import CheckpointCorrupt, NoSurvivors
 from ..policy import choose_state
 from .actors import Roster, ask, outcome
 
@@ -69,13 +70,28 @@ class Forming:
             at, ref = self.secured
             return source, ref, at
         at = holders[source]
-        ref = self.roster.actors[source].get_state.remote()
-        _, failures, _ = self.wait_answering({ref: source}, grace_s=0.0)
+        # The size answers; the state stays in the object store (owned here, never fetched
+        # here) for the workers that take it.
+        size, ref = self.roster.actors[source].get_state.options(num_returns=2).remote()
+        _, failures, _ = self.wait_answering({size: source}, grace_s=0.0)
         if failures:
             self.kill(source)
             raise ReformFailed(failures, [source])
         self.secured = (at, ref)
         return source, ref, at
+
+    def read_checkpoint(self, ref: CheckpointRef) -> Any:
+        """Rank 0 reads checkpoint `ref` and checks it; a reference to what the workers load
+        (the state stays in the object store, never fetched here). CheckpointCorrupt if it
+        does not match its manifest; ReformFailed if rank 0 is lost meanwhile."""
+        why, state = self.roster.actors[0].read_checkpoint.options(num_returns=2).remote(ref)
+        answers, failures, _ = self.wait_answering({why: 0}, grace_s=0.0)
+        if failures:
+            self.kill(0)
+            raise ReformFailed(failures, [0])
+        if answers[0] is not None:
+            raise CheckpointCorrupt(ref.name, answers[0])
+        return state
 
     def secure_copies(self, step: int, world: int, others: list[int],
                       held: dict[int, Holdings]) -> tuple[dict[int, Any], dict[int, int]]:

@@ -1,0 +1,46 @@
+"""Every private Ray name (and internal convention) the driver side uses, and nothing else.
+
+Each use says why raytrainer needs it, the versions it was checked on, and what happens
+without it. tests/test_internals.py checks that each still exists, so an upgrade that
+removes one fails there with the name and what it is for; tests/test_layout.py checks that
+no other module of the package uses a private Ray or torch name. The driver imports no torch.
+
+Checked on Ray 2.60.0 (pinned) and Ray 2.40.0 (the oldest pyproject.toml claims:
+`bash .ci/oldest.sh`, with torch 2.7.0).
+"""
+
+from __future__ import annotations
+
+
+def started_local_ray() -> bool:
+    """Whether this process started the Ray it is connected to (so no autoscaler can add
+    capacity, and Ray's own fate-sharing stops it if this process is killed). Ray keeps the
+    node it started in ray._private.worker._global_node (None when it joined a cluster); no
+    public API tells. Without it: placement that cannot fit would wait for the autoscaler
+    (scaling.placement_timeout_s) instead of failing at once."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(node is not None and node.head)
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """The nodes being drained: node id -> deadline (time.time() seconds, None: none). Ray's
+    own view (ray._private.state.state.get_draining_nodes), as Ray Train's and Ray Data's
+    preemption handling read it: no public API yet. {} if it cannot be read (the GCS busy:
+    the driver looks again at its next poll). Without it: a drained node's workers are lost
+    at its deadline and recovered from, instead of leaving it at a step boundary first."""
+    try:
+        from ray._private import state
+
+        nodes = state.state.get_draining_nodes()  # node id hex -> deadline ms, 0: none
+    except Exception:  # noqa: BLE001 - the GCS busy: look again later
+        return {}
+    return {node: (ms / 1000 if ms else None) for node, ms in nodes.items()}
+
+
+def is_placement_group_resource(key: str) -> bool:
+    """Whether a key of ray.cluster_resources() is a placement group's own resource (Ray
+    names them "<resource>_group_<pg id>" and "<resource>_group_<index>_<pg id>"): left out
+    of the resources an error message lists. Without it: those lines list them too."""
+    return "_group_" in key

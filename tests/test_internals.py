@@ -1,0 +1,176 @@
+"""The private torch and Ray names raytrainer uses (worker/_internals.py, driver/_internals.py)
+still exist, and torch still reports a lost Gloo peer as those modules expect: an upgrade
+that breaks one fails here, naming what it broke, not in the middle of a recovery."""
+
+import datetime
+import inspect
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from raytrainer.driver import _internals as driver_internals
+from raytrainer.worker import _internals
+from raytrainer.worker.actor import _peer_failure
+
+TORCH, RAY = f"torch {torch.__version__}", f"Ray {ray.__version__}"
+
+
+def _has(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _module(name):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# (whose, module, attribute path, what raytrainer uses it for)
+NAMES = [
+    (TORCH, "torch.distributed.distributed_c10d", "_world.group_count",
+     "naming a process group after a failed rendezvous as a new process does (_internals.reset_group_count)"),
+    (TORCH, "torch.distributed.distributed_c10d", "_abort_process_group",
+     "tearing down a group whose collective is pending after a failure (_internals.abort_process_group)"),
+    (TORCH, "torch._C._distributed_c10d", "Reducer._rebuild_buckets",
+     "keeping DDP's gradient buckets so recovered runs stay bit-identical (_internals.keep_initial_buckets)"),
+    (TORCH, "torch.amp", "GradScaler",  # its _device is an instance attribute: checked below
+     "making a fresh GradScaler after an interrupted step (_internals.grad_scaler_device)"),
+    (TORCH, "torch.nn.modules.batchnorm", "_BatchNorm._check_input_dim",
+     "GlooSyncBatchNorm, sync_batchnorm on CPU (_internals.BatchNorm)"),
+    (TORCH, "torch", "_foreach_mul_", "FSDP's gradient clipping (_internals.foreach_mul_)"),
+    (TORCH, "torch", "_foreach_lerp_", "FSDP's EMA (_internals.foreach_lerp_)"),
+    (TORCH, "torch.distributed.checkpoint._traverse", "set_element",
+     "loading a sharded checkpoint's non-tensor values (_internals.dcp_set_element)"),
+    (TORCH, "torch.serialization", "_get_layout", "reading a DCP .metadata file (_internals.DCP_METADATA_GLOBALS)"),
+    (TORCH, "torch.distributed.checkpoint.filesystem", "_StorageInfo",
+     "reading a DCP .metadata file (_internals.DCP_METADATA_GLOBALS)"),
+    (TORCH, "torch.distributed.checkpoint.filesystem", "FileSystemReader._slice_file",
+     "one ranged read per item of a sharded checkpoint on S3 (_internals.dcp_reader_base)"),
+    (TORCH, "torch.utils.data.dataloader", "_MultiProcessingDataLoaderIter._shutdown_workers",
+     "stopping loader processes of an abandoned epoch (_internals.shutdown_loader_iterator)"),
+    (TORCH, "torch", "_dynamo", "importing torch._dynamo before a worker is needed (_internals.import_dynamo)"),
+    (RAY, "ray.experimental.internal_kv", "_internal_kv_put",
+     "firing each failure.chaos fault once per run (_internals.kv_put_if_absent)"),
+    (RAY, "ray._private.worker", "_global_node",
+     "telling whether the driver started its Ray (driver/_internals.started_local_ray)"),
+    (RAY, "ray._private.state", "state.get_draining_nodes",
+     "leaving nodes drained for preemption before their deadline (driver/_internals.draining_nodes)"),
+]
+
+
+@pytest.mark.parametrize("whose,module,name,why", NAMES, ids=[f"{m}.{n}" for _, m, n, _ in NAMES])
+def test_the_private_names_raytrainer_uses_exist(whose, module, name, why):
+    found = _module(module)
+    assert found is not None and _has(found, name), f"{whose} removed {module}.{name}, which raytrainer uses for {why}"
+
+
+def test_accelerates_state_reset_is_where_it_was():
+    state = pytest.importorskip("accelerate.state", reason="accelerate (raytrainer[hf]) is not installed")
+    import accelerate
+
+    assert callable(getattr(state.AcceleratorState, "_reset_state", None)), (
+        f"accelerate {accelerate.__version__} removed AcceleratorState._reset_state, which raytrainer uses "
+        "for a Hugging Face Trainer's world size after a re-form (_internals.reset_accelerate_state)")
+
+
+def test_the_flight_recorder_and_the_scalers_device_are_where_they_were():
+    # The flight recorder is optional (no dump on an older CPU build); on the torch we pin, it is there.
+    if torch.__version__.startswith("2.13"):
+        assert _internals.flight_recorder_dump() is not None, (
+            f"{TORCH} removed torch._C._distributed_c10d._dump_fr_trace_json, which raytrainer uses for "
+            "the record of a hung worker's collectives (_internals.flight_recorder_dump)")
+    assert _internals.grad_scaler_device(torch.amp.GradScaler("cpu")) == "cpu", (
+        f"{TORCH} removed GradScaler._device, which raytrainer uses for a fresh scaler after an interrupted step")
+
+
+def test_ddp_still_rebuilds_its_buckets_through_the_reducer_hook():
+    """_FixedBuckets works only while DDP's forward asks its reducer to rebuild."""
+    source = inspect.getsource(torch.nn.parallel.DistributedDataParallel)
+    assert "reducer._rebuild_buckets()" in source, (
+        f"{TORCH}'s DistributedDataParallel no longer calls reducer._rebuild_buckets(), which raytrainer "
+        "replaces to keep the gradient buckets (and so bit-identical recoveries): see _internals._FixedBuckets")
+
+
+# ---------------------------------------------------------------------------- a lost Gloo peer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank, world, port, how, results):
+    """Join a Gloo group; rank 1 is lost (`how`); the others report what they raised."""
+    torch.set_num_threads(1)
+    try:
+        timeout = datetime.timedelta(seconds=3 if how == "rendezvous" else 60)
+        if how == "rendezvous" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # never comes
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        tensor = torch.ones(100_000)
+        for i in range(1000):
+            if rank == 1 and i == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(tensor)
+        results.put((rank, None, None, False))
+    except Exception as exc:  # noqa: BLE001 - what the test is about
+        results.put((rank, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), _peer_failure(exc)))
+
+
+def _lost_peer(how: str, world: int = 2) -> list[tuple]:
+    ctx = mp.get_context("fork")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, how, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return [results.get(timeout=60) for _ in range(world - 1)]
+    except queue.Empty:
+        raise AssertionError(f"the survivors of a peer lost in {how} did not raise within 60 s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def test_a_peer_lost_in_a_gloo_collective_is_a_peer_failure():
+    """Measured on torch 2.13: a bare RuntimeError naming Gloo's transport (the only message
+    raytrainer matches). Typed instead, the match can go; worded otherwise, it must change."""
+    ((rank, kind, message, peer),) = _lost_peer("collective")
+    assert kind is not None, "the survivor's all_reduce did not fail when its peer was SIGKILLed"
+    assert kind == "builtins.RuntimeError", (
+        f"{TORCH} now raises {kind} for a Gloo peer lost in a collective: match it by type in "
+        "actor._peer_failure and drop _internals.is_gloo_transport_error")
+    assert _internals.GLOO_TRANSPORT_MARKER in message, (
+        f"{TORCH} changed the message of a Gloo peer lost in a collective, which raytrainer matches to "
+        f"recover instead of failing the run (_internals.is_gloo_transport_error): {message!r}")
+    assert peer
+
+
+def test_a_peer_lost_before_the_rendezvous_is_a_typed_peer_failure():
+    ((rank, kind, message, peer),) = _lost_peer("rendezvous")
+    assert kind == "torch.distributed.DistStoreError", f"{TORCH} raised {kind} ({message!r}) for a peer that never came"
+    assert peer
+
+
+def test_a_workers_own_error_is_not_a_peer_failure():
+    assert not _peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not _peer_failure(ValueError("gloo/transport/ in a user's message is not Gloo's"))
+    assert _peer_failure(dist.DistNetworkError("Broken pipe"))
