@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .faults import DOUBLE_KILL_GAP_S, FAULT_TITLES, FAULTS, FAULTS_COLLECTIVE_TIMEOUT_S, fault_plan
+from .cpu import OUTSIDE, ROLES, per_1000_steps, spread, window_rates
 from .spec import CONTENDERS, LABELS, BenchSpec, rate
 
 
@@ -49,9 +50,40 @@ def _joined_start(run: dict[str, Any]) -> float | None:
     return start_to_first_step(run, "train" if run["contender"] == "raw" else "join")
 
 
+def _steady_from(run: dict[str, Any]) -> int:
+    """The index of a train run's first steady-state step time."""
+    times = run["step_times"]
+    return min(int(len(times) * run.get("steady_from", run["warmup_fraction"])), len(times) - 2)
+
+
+def steady_windows(run: dict[str, Any]) -> list[float] | None:
+    """The steps/s of consecutive window_steps-step windows from steady_from on."""
+    if not _train_run(run):
+        return None
+    return window_rates(run["step_times"][_steady_from(run):], run.get("window_steps", 200))
+
+
 def steady_steps_per_s(run: dict[str, Any]) -> float | None:
-    """Over the steps from steady_from on (the first seconds are start-up)."""
-    return rate(run["step_times"], run.get("steady_from", run["warmup_fraction"])) if _train_run(run) else None
+    """The median of the steady windows' rates (the first seconds are start-up): a slow
+    second of the machine moves one window, not the figure."""
+    windows = steady_windows(run)
+    return statistics.median(windows) if windows else None
+
+
+def cpu_windows(run: dict[str, Any]) -> dict[str, tuple[float, float, int]]:
+    """The parts of a run whose CPU the report counts, by the key they go under, as
+    (start, end, steps): "cpu", a train run's steady state, an input run's steps after the
+    warm-up, any other run's training; "cpu_startup", a train run's steps before its
+    steady state (where Ray's daemons settle and the warm spare starts)."""
+    times = run.get("step_times") or []
+    if len(times) < 2:
+        return {}
+    if _train_run(run):
+        first = _steady_from(run)
+        out = {"cpu_startup": (times[0], times[first], first)} if first > 0 else {}
+        return {**out, "cpu": (times[first], times[-1], len(times) - 1 - first)}
+    first = min(int(len(times) * run["warmup_fraction"]), len(times) - 2) if run.get("scenario") == "input" else 0
+    return {"cpu": (times[first], times[-1], len(times) - 1 - first)}
 
 
 def early_steps_per_s(run: dict[str, Any]) -> float | None:
@@ -184,8 +216,76 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) ->
             met = all(flags) if flags else None
             entry["met_runs"] = [sum(flags), len(flags)]
         entry.update(status="measured", values=values, medians=medians, ratios=ratios, target_met=met)
+        if fig.key == "steps_per_s":  # every steady window of every run, by contender
+            entry["windows"] = {c: spread([w for r in runs if r["contender"] == c for w in steady_windows(r) or ()])
+                                for c in fig.contenders if c in medians}
         out.append(entry)
     return out
+
+
+def cpu_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """scenario -> contender -> role -> CPU seconds per 1000 steps in the counted window
+    (cpu_window), the median over the repetitions (a role missing from a run counts 0),
+    with the totals, the machine's other work, and the load."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    parts = [(scenario, "cpu") for scenario in dict.fromkeys(r.get("scenario", "train") for r in runs)]
+    for scenario, key in parts + [("train_startup", "cpu_startup")]:
+        for contender in CONTENDERS:
+            mine = [r for r in runs if r.get("scenario", "train") == scenario.split("_")[0]
+                    and r["contender"] == contender and r.get(key)]
+            if not mine:
+                continue
+            each = [per_1000_steps(r[key], r[key]["steps"]) for r in mine]
+            keys = [k for k in (*ROLES, "total", "outside training workers", "others on the machine")
+                    if any(k in e for e in each)]
+            row = {k: statistics.median(e.get(k, 0.0) for e in each) for k in keys}
+            row["load average"] = statistics.median(r["load_before"] for r in mine)
+            row["window s"] = statistics.median(r[key]["seconds"] for r in mine)
+            out.setdefault(scenario, {})[contender] = row
+    return out
+
+
+CPU_TITLES = {"train": "train runs, steady state", "train_startup": "train runs, start-up (before the steady state)",
+              "input": "input runs, loader processes, after the warm-up",
+              "join": "join runs", "kill": "kill runs", "stall": "stall runs", "grow": "grow run",
+              "faults": "faults run", "peers": "peers runs"}
+
+
+def cpu_lines(report: dict[str, Any], scenarios: tuple[str, ...] = ("train", "train_startup", "input")) -> list[str]:
+    """The CPU tables (Markdown): CPU seconds per 1000 steps (= ms per step) of each role's
+    processes, by contender; for the train runs with the steady windows' spread under it."""
+    labels = report.get("contenders", LABELS)
+    lines: list[str] = []
+    for scenario in scenarios:
+        table = report.get("cpu", {}).get(scenario)
+        if not table:
+            continue
+        names = list(table)
+        lines += ["", f"| CPU s per 1000 steps (ms per step), {CPU_TITLES[scenario]} | "
+                  + " | ".join(labels[c] for c in names) + " |", "|" + "---|" * (len(names) + 1)]
+        keys = [k for k in (*ROLES, "total", "outside training workers", "others on the machine", "window s",
+                            "load average") if any(k in table[c] for c in names)]
+        for key in keys:
+            cells = [_fmt(table[c][key]) if key in table[c] else "-" for c in names]
+            title = f"**{key}**" if key in ("total", "outside training workers") else key
+            lines.append(f"| {title} | " + " | ".join(cells) + " |")
+        if scenario == "train":
+            steps = next((f for f in report["figures"] if f["key"] == "steps_per_s"), None)
+            windows = (steps or {}).get("windows") or {}
+            cells = [_spread_text(windows.get(c)) for c in names]
+            size = report.get("settings", {}).get("window_steps", 200)
+            lines.append(f"| steps/s, median of {size}-step windows (min, q1-q3, max) | " + " | ".join(cells) + " |")
+    if lines:
+        lines.append("")
+        lines.append(f"Roles (bench/cpu.py): {', '.join(OUTSIDE)} are outside the training workers; 'others on the "
+                     "machine' is the machine's busy CPU in the same window less the run's (other work).")
+    return lines
+
+
+def _spread_text(s: dict[str, float] | None) -> str:
+    if not s:
+        return "-"
+    return f"{_fmt(s['median'])} ({_fmt(s['min'])}, {_fmt(s['q1'])}-{_fmt(s['q3'])}, {_fmt(s['max'])})"
 
 
 def contender_settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

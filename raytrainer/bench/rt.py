@@ -43,7 +43,9 @@ def outcome(result) -> dict[str, Any]:
     rows = [r for r in result.history if "loss" in r]
     return {"step_times": [r["time"] for r in rows], "last_loss": rows[-1]["loss"],
             "phases": {f"event_{e['event']}": e["time"] for e in result.events},
-            "run_dir": str(result.run_dir)}
+            "run_dir": str(result.run_dir),
+            # The training workers' processes, for the CPU table (bench.cpu): every group's.
+            "worker_pids": sorted({pid for e in result.events for pid in e.get("pids", ())})}
 
 
 def settings(cfg: dict[str, Any]) -> dict[str, Any]:

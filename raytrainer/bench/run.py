@@ -19,11 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .cpu import Sampler
 from .faults import FAULTS, faults_raytrainer
 from .raw import input_raw, run_raw
 from .ray_train import kill_ray_train, run_ray_train
-from .report import (contender_settings, input_steps_per_s, notes, recovery_lines, start_to_first_step,
-                     steady_steps_per_s, summarize)
+from .report import (contender_settings, cpu_summary, cpu_windows, input_steps_per_s, notes, recovery_lines,
+                     start_to_first_step, steady_steps_per_s, summarize)
 from .rt import grow_raytrainer, input_raytrainer, kill_raytrainer, peers_raytrainer, run_raytrainer, stall_raytrainer
 from .spec import CONTENDERS, PACKAGE_ROOT, BenchError, BenchSpec
 
@@ -79,9 +80,13 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
         launched = time.time()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(result_path.parent), start_new_session=True)
+        # Its session holds every process it starts: their CPU, read as it runs (bench.cpu).
+        sampler = Sampler(proc.pid, spec.cpu_sample_s).start() if spec.cpu_sample_s else None
         try:
             rc = _wait(proc, launched + spec.timeout_s, cancel)
         finally:  # also on Ctrl-C: stop it and everything it started
+            if sampler is not None:
+                sampler.stop()
             stop(proc)
     if rc != 0 or not result_path.exists():
         why = ("stopped: another contender run failed" if rc is None and cancel is not None and cancel.is_set()
@@ -93,7 +98,12 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     if not result.get("step_times"):
         raise BenchError(f"bench contender {spec.labels[name]} recorded no step")
     result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
-                  load_before=load_before, warmup_fraction=spec.warmup_fraction, steady_from=spec.steady_from)
+                  load_before=load_before, warmup_fraction=spec.warmup_fraction, steady_from=spec.steady_from,
+                  window_steps=spec.window_steps)
+    if sampler is not None:
+        pids = set(result.get("worker_pids") or ()) or None
+        for key, (t0, t1, steps) in cpu_windows(result).items():
+            result[key] = {**sampler.window(t0, t1, pids), "steps": steps}
     return result
 
 
@@ -235,6 +245,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
         "contenders": spec.labels,
         "contender_settings": contender_settings(runs),
         "figures": summarize(runs, scenarios),
+        "cpu": cpu_summary(runs),
         "notes": notes(spec),
         "runs": runs,
         "seconds": round(time.time() - started, 1),

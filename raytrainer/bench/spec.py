@@ -45,6 +45,12 @@ class BenchSpec:
     Ray Train's best setting for per-step metrics. On a 2-core VM: 0.5 steps/s at 2 s, 9 at
     0.1, 24 at 0.03, 45 to 71 at 0.01, 28 to 74 at 0.001 (65 and 74 against 60 and 71 at
     0.01, side by side on the quietest minutes), where the poll no longer bounds it."""
+    window_steps: int = 200
+    """The steady-state steps/s of a train run is the median of the rates of consecutive
+    windows of this many steps (from steady_from on); the report gives their spread too."""
+    cpu_sample_s: float = 0.2
+    """How often the bench reads the CPU time of every process of a contender run
+    (bench.cpu; 0: never): the CPU table's figures."""
     repetitions: int = 3
     warmup_fraction: float = 0.1
     """Leading share of the steps left out of a rate (allocator, caches, first collectives)."""
@@ -117,9 +123,11 @@ class BenchSpec:
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples", "steps",
                     "ray_train_steps", "repetitions", "checkpoint_mb", "stall_steps", "stall_checkpoint_every",
                     "kill_steps", "kill_step", "kill_checkpoint_every", "grow_steps", "input_steps",
-                    "input_steps_no_loaders", "input_workers", "faults_every", "parallel"):
+                    "input_steps_no_loaders", "input_workers", "faults_every", "parallel", "window_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
+        if self.cpu_sample_s < 0:
+            raise ConfigError("bench --cpu-sample-s must be >= 0 (0: no CPU figures)")
         if self.kill_pace_s < 0:
             raise ConfigError("bench --kill-pace-s must be >= 0")
         if self.input_io_ms < 0 or self.input_decode_rounds < 0:
