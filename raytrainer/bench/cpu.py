@@ -193,6 +193,8 @@ def _machine_delta(series: list[tuple[float, float]], t0: float, t1: float) -> f
 
 def role(title: str) -> str | None:
     """A process's role from its command line alone; None: from its parentage (roles_of)."""
+    if "default_worker.py" in title or "setup_worker.py" in title:
+        return None  # a Ray worker process before it retitles itself (its flags name the raylet)
     checks = (
         ("/raylet/raylet", "raylet"), ("/gcs/gcs_server", "gcs_server"),
         ("dashboard/dashboard.py", "dashboard"), ("ray::DashboardAgent", "dashboard agent"),
