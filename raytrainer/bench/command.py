@@ -39,8 +39,8 @@ OPTIONS: dict[str, str | None] = {
     "faults_workers": "workers of the faults runs",
     "faults_every": "steps between the five faults of the faults run",
     "faults_step_timeout_s": "failure.step_timeout_s of the faults runs (how long a freeze goes unnoticed)",
-    "scenarios": "comma-separated subset of train (start-up, steps/s), join (start-up joining a running "
-                 "Ray), kill (worker SIGKILL), stall "
+    "scenarios": "comma-separated subset of train (start-up, steps/s), join (start-up of a later run, "
+                 "joining the local Ray the first one kept), kill (worker SIGKILL), stall "
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
                  "(five faults in one run), peers (--strategy fsdp: recovery from peer snapshots and from a "
                  "checkpoint, the snapshots' cost)",

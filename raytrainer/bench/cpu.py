@@ -193,8 +193,6 @@ def _machine_delta(series: list[tuple[float, float]], t0: float, t1: float) -> f
 
 def role(title: str) -> str | None:
     """A process's role from its command line alone; None: from its parentage (roles_of)."""
-    if "default_worker.py" in title or "setup_worker.py" in title:
-        return None  # a Ray worker process before it retitles itself (its flags name the raylet)
     checks = (
         ("/raylet/raylet", "raylet"), ("/gcs/gcs_server", "gcs_server"),
         ("dashboard/dashboard.py", "dashboard"), ("ray::DashboardAgent", "dashboard agent"),
@@ -219,7 +217,10 @@ def roles_of(procs: dict[int, dict[str, Any]], training_pids: set[int] | None = 
     own children (the dashboard's modules) are the daemon's."""
     direct: dict[int, str | None] = {}
     for pid, proc in procs.items():
-        titles = proc["titles"]
+        # A title its parent has too was read between fork and exec (a Ray worker the
+        # raylet is starting): it says nothing of this process.
+        parent = procs.get(proc["ppid"])
+        titles = [t for t in proc["titles"] if parent is None or t not in parent["titles"]]
         # Its latest title says most: a Ray worker process is `ray::IDLE` until it hosts an actor.
         named = [r for r in map(role, reversed(titles)) if r is not None]
         found = next((r for r in named if r != "idle Ray workers"), named[0] if named else None)

@@ -134,7 +134,7 @@ FIGURES = (
     Figure("start_to_first_step_s", "process start to first finished step", "s", "lower",
            CONTENDERS, start_to_first_step, target="<= 1.5x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] <= 1.5),
-    Figure("start_joined_s", "the same, raytrainer joining a Ray already running", "s", "lower",
+    Figure("start_joined_s", "the same, a later run (joining the local Ray the first one kept)", "s", "lower",
            ("raw", "raytrainer"), _joined_start, target="<= 1.1x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] <= 1.1, scenario="join"),
     Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
@@ -337,9 +337,10 @@ def notes(spec: BenchSpec) -> list[str]:
             "The raw column and the ratios to raw are raw FSDP2's.")
     if "join" in spec.scenario_list:
         out.append(
-            "Join runs: raytrainer's train run in a fresh process with RAY_ADDRESS naming a Ray head "
-            f"({spec.workers + 1} CPUs, no dashboard) that the bench started before the runs (as `ray start "
-            "--head` would leave one) and stops after them; raw DDP's column is its train runs' start.")
+            "Join runs: raytrainer's train run in a fresh process, no RAY_ADDRESS, joining the local Ray that "
+            "a first `raytrainer train` leaves up for the next runs (driver/localray: RAYTRAINER_KEEP_RAY), "
+            "which the bench started (`raytrainer up`) before the runs and stops after them (`raytrainer "
+            "down`); raw DDP's column is its train runs' start.")
     if "kill" in spec.scenario_list:
         out.append(
             f"Kill runs: {spec.kill_steps} steps each, each step at least {spec.kill_pace_s:g} s (a sleep, "

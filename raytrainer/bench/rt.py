@@ -56,6 +56,7 @@ def settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None,
                    failure: dict[str, Any] | None = None) -> dict[str, Any]:
+    from ..driver import localray
     from ..driver.api import train
 
     snapshot = work / "threads.json"  # rank 0's thread snapshot, written by the bench task
@@ -63,9 +64,10 @@ def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None
                  task_args={"threads_file": str(snapshot), "threads_at": threads_at(spec["steps"])})
     out = outcome(train(cfg, progress=False))
     out["worker_threads"] = json.loads(snapshot.read_text())
-    # ray_address "local": it started a Ray of its own; an address: it joined that Ray (or failed to start).
+    # ray_address "local": it started a Ray of its own; ray "kept, joined": it joined the local Ray kept
+    # for the next runs (driver/localray).
     out.update(threads=out["worker_threads"]["torch_intra_op"], contender_settings=settings(cfg),
-               ray_address=os.environ.get("RAY_ADDRESS"))
+               ray_address=os.environ.get("RAY_ADDRESS"), ray=localray.connected)
     return out
 
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,10 +58,11 @@ def contender_main(name: str, spec_json: str, result_path: str) -> int:
 
 
 def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train",
-           cancel: threading.Event | None = None, ray_address: str = "local") -> dict[str, Any]:
+           cancel: threading.Event | None = None, kept_ray: str | None = None) -> dict[str, Any]:
     """Run one contender in a fresh process; return its result with the launch time. It is
     stopped past spec.timeout_s, or once `cancel` is set (another run of the bench failed).
-    `ray_address`: the Ray it joins; by default it starts one of its own."""
+    It starts a Ray of its own, or with `kept_ray` (a RAYTRAINER_RAY_DIR), joins the local
+    Ray kept there, as a run after the first does."""
     result_path = tmp / (f"{name}-{rep}" if scenario == "train" else f"{name}-{scenario}-{rep}") / "result.json"
     result_path.parent.mkdir(parents=True)
     log_path = result_path.parent / "log.txt"
@@ -69,9 +71,13 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Each contender starts a Ray of its own (what the start-up figure measures), never one
-    # it finds running on the machine, unless it is to join the bench's (the join scenario);
-    # the grow scenario names its cluster's address.
-    env["RAY_ADDRESS"] = ray_address
+    # it finds running on the machine, unless it is to join the bench's kept Ray (the join
+    # scenario); the grow scenario names its cluster's address.
+    if kept_ray is None:
+        env["RAY_ADDRESS"] = "local"
+    else:
+        env.pop("RAY_ADDRESS", None)
+        env.update(RAYTRAINER_RAY_DIR=kept_ray, RAYTRAINER_KEEP_RAY="10")
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
            json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
     # Other work on the machine skews every figure: keep the load next to each run.
@@ -214,7 +220,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
     cancel = threading.Event()  # set on the way out: contender runs still going stop
     with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
           else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp, \
-            running_ray(spec.workers + 1, "join" in scenarios) as address:
+            running_ray("join" in scenarios) as kept:
         runs = []
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
@@ -224,7 +230,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
             def one(scenario: str, name: str) -> dict[str, Any]:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
                 run = launch(name, spec, rep, Path(tmp), scenario=scenario, cancel=cancel,
-                             ray_address=address if scenario == "join" else "local")
+                             kept_ray=kept if scenario == "join" else None)
                 for line in _outcome(scenario, run):
                     log(f"bench:   {line}")
                 if keep_in is None:  # about to be deleted
@@ -256,19 +262,22 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
 
 
 @contextlib.contextmanager
-def running_ray(num_cpus: int, needed: bool) -> Iterator[str | None]:
-    """A Ray head on this machine for the join runs to connect to (as `ray start --head`
-    would leave one), started before them and stopped after; None if not `needed`."""
+def running_ray(needed: bool) -> Iterator[str | None]:
+    """The local Ray a first `raytrainer train` leaves up for the next runs (driver/localray),
+    for the join runs, started before them and stopped after, in a folder of its own (its
+    RAYTRAINER_RAY_DIR); None if not `needed`."""
     if not needed:
         yield None
         return
-    from ray.cluster_utils import Cluster
+    from ..driver import localray
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
+    folder = Path(tempfile.mkdtemp(prefix="rtk-", dir="/tmp"))  # short: Ray's sockets live under it
     try:
-        yield cluster.address
+        localray.up(folder, minutes=10)
+        yield str(folder)
     finally:
-        cluster.shutdown()
+        localray.down(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _in_parallel(one: Callable[..., dict[str, Any]], plan: list[tuple[str, str]], workers: int,

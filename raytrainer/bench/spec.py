@@ -106,7 +106,7 @@ class BenchSpec:
     """failure.step_timeout_s of the faults runs: how long a frozen worker goes unnoticed."""
     scenarios: str = "train,join,kill,stall,grow,input,faults"
     """Which measurements to run: train (start-up, steps/s), join (raytrainer's start-up
-    joining a Ray already running on the machine), kill (worker SIGKILL), stall (checkpoint
+    in a later run: joining the local Ray a first run kept), kill (worker SIGKILL), stall (checkpoint
     stall inside training, sync and async), grow (elastic grow by one worker), input (a slow dataset
     through loader processes), faults (five faults in one run, against an undisturbed
     one), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,

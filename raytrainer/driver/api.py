@@ -17,6 +17,7 @@ from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, load_checkpoint_dir
 from ..config import Config, dump_config, load_config
 from ..contract import Resume
+from . import localray
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError
 from ..task import describe
@@ -79,6 +80,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     finally:
         if connected_here:
             ray.shutdown()
+            localray.release()  # a kept Ray may serve another run now
 
 
 def train_loop(fn: Any, config: str | Path | dict[str, Any] | None = None, overrides: Iterable[str] = (), *,
@@ -140,25 +142,10 @@ def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, s
 
 def init_ray(address: str | None = None, **options: Any) -> None:
     """Connect as ray.init() does: `address` or RAY_ADDRESS name a cluster; otherwise a Ray
-    started on this machine with `ray start` is joined, else a local one is started.
-
-    A local Ray started here runs its workers at nice 0, not Ray's default 15: it exists
-    for this run's workers, and at nice 15 every other process on a busy machine (the
-    driver, Ray's own daemons, anything else) takes their cores first, and a step waits
-    for its slowest rank. RAY_worker_niceness, if set, still decides; a cluster started
-    with `ray start` keeps whatever it was started with."""
-    import ray
-
-    key = "RAY_worker_niceness"
-    unset = key not in os.environ
-    if unset:
-        os.environ[key] = "0"  # read by the raylet this starts, and by the workers it forks
-    try:
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                 logging_level="WARNING", **options)
-    finally:
-        if unset:
-            os.environ.pop(key, None)
+    started on this machine with `ray start` is joined; otherwise the local Ray raytrainer
+    keeps for the next runs, started now if none is up; or a local one for this run
+    (RAYTRAINER_KEEP_RAY=0, or `options` configure it). See localray.py."""
+    localray.connect(address, **options)
 
 
 def resolve_use_gpu(scaling: Any, gpus: float, *, can_grow: bool, warn: Any = None) -> bool:
@@ -199,12 +186,9 @@ def _local_mirror(storage: Storage, name: str) -> Path:
 
 
 def _started_local_ray() -> bool:
-    """Whether this process started the Ray it is connected to (so no autoscaler can add
-    capacity, and Ray's own fate-sharing stops it if this process is killed)."""
-    import ray
-
-    node = getattr(ray._private.worker, "_global_node", None)
-    return bool(node is not None and node.head)
+    """Whether this process is connected to a local Ray that raytrainer started (for this run
+    or kept): no autoscaler can add capacity to it."""
+    return localray.started_here()
 
 
 def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | None:
