@@ -230,7 +230,8 @@ def roles_of(procs: dict[int, dict[str, Any]], training_pids: set[int] | None = 
             if any(_trains(t) for t in titles):
                 found = "training workers" if training_pids is None else "warm spare"
             elif any(t.startswith("ray::Worker") for t in titles):
-                found = "warm spare"  # an actor of raytrainer's worker class that never trained
+                # raytrainer's worker class: without the run's pids a spare cannot be told apart
+                found = "warm spare" if training_pids is not None else "training workers"
             elif any("multiprocessing.spawn" in t for t in titles) and _parent_role(procs, pid, direct) == "driver":
                 found = "training workers"  # raw DDP's ranks (torch.multiprocessing, spawn)
         direct[pid] = found

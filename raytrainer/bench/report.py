@@ -164,6 +164,14 @@ FIGURES = (
            ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s"), scenario="stall"),
     Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
            ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s"), scenario="stall"),
+    Figure("checkpoint_stall_ratio", "the same, async over sync", "x", "lower", ("raytrainer",),
+           lambda run: (run["checkpoint_stall_async_s"] / run["checkpoint_stall_sync_s"]
+                        if run.get("checkpoint_stall_sync_s") else None),
+           target="<= 0.15x", target_check=lambda m, r: m["raytrainer"] <= 0.15, scenario="stall"),
+    Figure("checkpoint_held_sync_s", "training thread held per checkpoint, sync", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_held_sync_s"), scenario="stall"),
+    Figure("checkpoint_held_async_s", "training thread held per checkpoint, async (the copy)", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_held_async_s"), scenario="stall"),
     *(fig for i, (kind, ranks) in enumerate(FAULTS) for fig in _fault_figures(i, kind, ranks)),
     Figure("peers_kill_to_first_step_s", "fsdp: worker SIGKILL to first step after, from peer snapshots", "s",
            "lower", ("raytrainer",), lambda run: run.get("peers_kill_to_first_step_s"), target="<= 5 s",
@@ -357,11 +365,12 @@ def notes(spec: BenchSpec) -> list[str]:
             f"Stall runs (one local Ray): raytrainer trains a 2-layer MLP of about {spec.checkpoint_mb} MB with Adam "
             f"(the checkpoint holds three times that), {spec.stall_steps} steps, a checkpoint every "
             f"{spec.stall_checkpoint_every}, synchronous, then with checkpoint.async. A save after step k holds "
-            "rank 0 before step k+1 (the write; async: the copy of the state), and an async save's writer "
-            "thread then competes with training for the same cores until it commits. Stall: rank 0's time "
-            "from step k to the first step that ended after the commit (the checkpoint manifest's time), less "
-            "as many ordinary steps (the median step outside such windows); the median of the saves but the "
-            "last.")
+            "rank 0 before step k+1 (the write; async: the copy of the state into shared memory), and an async "
+            "save's writer process (nice 19) then writes it beside training until it commits. Stall: rank 0's "
+            "time from step k to the first step that ended after the commit (the checkpoint manifest's time), "
+            "less as many ordinary steps (the median step outside such windows); the median of the saves but "
+            "the last. Held: the time the save itself held rank 0's training thread (the commit event's "
+            "blocked_s).")
     if "peers" in spec.scenario_list:
         out.append(
             f"Peers runs (fsdp, one local Ray): the kill scenario's run ({spec.kill_steps} steps, the last rank "

@@ -145,6 +145,7 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             raise BenchError(f"expected a recovery from {source}; it was: {run['recovered_event']}")
     with_, without = rate(on["step_times"], spec["warmup_fraction"]), rate(off["step_times"], spec["warmup_fraction"])
     return {"step_times": peers["step_times"], "phases": peers["phases"],
+            "worker_pids": sorted({p for run in (peers, checkpoint, on, off) for p in run["worker_pids"]}),
             "snapshot_every_n_steps": FailureConfig().snapshot_every_n_steps,
             "peers_kill_to_first_step_s": peers["kill_to_first_step_s"], "peers_steps_replayed": peers["steps_lost"],
             "checkpoint_kill_to_first_step_s": checkpoint["kill_to_first_step_s"],
@@ -268,8 +269,16 @@ def stall_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         out[f"ordinary_step_{mode}_s"] = ordinary
         out["saves"] += [{"mode": mode, **s} for s in saves]
         out[f"{mode}_step_times"] = [t for _, t in rows]
-        out["checkpoint_bytes"] = max(e["bytes"] for e in result.events if e["event"] == "checkpoint_committed")
+        committed = [e for e in result.events if e["event"] == "checkpoint_committed"]
+        out["checkpoint_bytes"] = max(e["bytes"] for e in committed)
+        # How long each save held rank 0's training thread (async: the copy of the state),
+        # from the commit events; the saves the stall figure counts.
+        held = {e["step"]: e["blocked_s"] for e in committed if "blocked_s" in e}
+        counted = [held[s["step"]] for s in saves if s["step"] in held]
+        if counted:
+            out[f"checkpoint_held_{mode}_s"] = statistics.median(counted)
     out.update(step_times=out["sync_step_times"], phases=outcome(runs["async"][0])["phases"],
+               worker_pids=sorted({p for result, _ in runs.values() for p in outcome(result)["worker_pids"]}),
                contender_settings=settings(runs["async"][1]))
     return out
 

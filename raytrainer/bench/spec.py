@@ -86,8 +86,9 @@ class BenchSpec:
     grow_steps: int = 2000
     """Optimizer steps of the grow run; paced at 20 ms a step or more until the group has
     grown (adding a node takes seconds), then free."""
-    input_steps: int = 150
-    """Optimizer steps of the input runs with loader processes (raw DDP and raytrainer)."""
+    input_steps: int = 300
+    """Optimizer steps of the input runs with loader processes (raw DDP and raytrainer): about
+    7 s (150 were 3.5 s, in which a slow second of the machine moved the ratio by 10%)."""
     input_steps_no_loaders: int = 40
     """Optimizer steps of raytrainer's input run with data.num_workers 0 (each is slow)."""
     input_workers: int = 4
