@@ -40,7 +40,9 @@ def run_cli(args, env):
 def test_a_later_run_joins_the_ray_the_first_kept_which_only_raytrainer_finds_and_down_stops(tmp_path):
     folder = short_temp_dir()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5")
+    # RAY_TMPDIR: where Ray looks for a Ray that `ray start` left (which a run joins first):
+    # another test's or process's on this machine is not to be found.
+    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder)
     config = tmp_path / "env.yaml"
     config.write_text(yaml.safe_dump({
         "task": {"target": "tests.test_localray:EnvTask", "args": {"path": str(tmp_path / "mark")}},

@@ -239,13 +239,13 @@ def stall_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     competing with training for the same cores, when asynchronous."""
     import ray
 
-    from ..driver.api import train
+    from ..driver.api import init_ray, train
     from ..checkpoint import Checkpoints, Storage
     from ..config import CheckpointConfig
 
     wide = {**spec, "layers": 2, "hidden": stall_hidden(spec["checkpoint_mb"], spec["in_dim"]), "optimizer": "adam"}
     every = spec["stall_checkpoint_every"]
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    init_ray()  # as raytrainer.train would
     try:
         runs = {}
         for mode in ("sync", "async"):

@@ -76,8 +76,11 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     if kept_ray is None:
         env["RAY_ADDRESS"] = "local"
     else:
+        # RAY_TMPDIR: Ray's own lookup of a Ray that `ray start` left on this machine (its temp
+        # dir's ray_current_cluster, joined before any kept Ray) finds none; another Ray on
+        # this machine is not the one measured.
         env.pop("RAY_ADDRESS", None)
-        env.update(RAYTRAINER_RAY_DIR=kept_ray, RAYTRAINER_KEEP_RAY="10")
+        env.update(RAYTRAINER_RAY_DIR=kept_ray, RAYTRAINER_KEEP_RAY="10", RAY_TMPDIR=kept_ray)
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
            json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
     # Other work on the machine skews every figure: keep the load next to each run.
