@@ -59,7 +59,7 @@ class Storage:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
-    def write(self, rel: str, data: bytes) -> None:
+    def write(self, rel: str, data: bytes | memoryview) -> None:
         path = self.path(rel)
         self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         with self.fs.open_output_stream(path) as f:
@@ -176,7 +176,7 @@ class Checkpoints:
 
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        data = buffer.getvalue()
+        data = buffer.getbuffer()  # not getvalue(): a copy of it all
         self.storage.write(f"{self.prefix}/{name}/{STATE}", data)
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 

@@ -73,8 +73,9 @@ def steady_steps_per_s(run: dict[str, Any]) -> float | None:
 def cpu_windows(run: dict[str, Any]) -> dict[str, tuple[float, float, int]]:
     """The parts of a run whose CPU the report counts, by the key they go under, as
     (start, end, steps): "cpu", a train run's steady state, an input run's steps after the
-    warm-up, any other run's training; "cpu_startup", a train run's steps before its
-    steady state (where Ray's daemons settle and the warm spare starts)."""
+    warm-up, the stall runs' training (sync, then async), any other run's training;
+    "cpu_startup", a train run's steps before its steady state (where Ray's daemons settle
+    and the warm spare starts)."""
     times = run.get("step_times") or []
     if len(times) < 2:
         return {}
@@ -82,6 +83,9 @@ def cpu_windows(run: dict[str, Any]) -> dict[str, tuple[float, float, int]]:
         first = _steady_from(run)
         out = {"cpu_startup": (times[0], times[first], first)} if first > 0 else {}
         return {**out, "cpu": (times[first], times[-1], len(times) - 1 - first)}
+    if run.get("scenario") == "stall" and run.get("async_step_times"):  # both runs, the async writer's too
+        after = run["async_step_times"]
+        return {"cpu": (times[0], after[-1], len(times) + len(after) - 2)}
     first = min(int(len(times) * run["warmup_fraction"]), len(times) - 2) if run.get("scenario") == "input" else 0
     return {"cpu": (times[first], times[-1], len(times) - 1 - first)}
 

@@ -172,7 +172,7 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
     label = spec.labels[name]
     return {
         "train": label,
-        "join": f"{label}, joining a running Ray",
+        "join": f"{label}, a later run, joining the local Ray the first one kept",
         "kill": f"{label}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
         "stall": f"{label}, a {spec.checkpoint_mb} MB model, a checkpoint every {spec.stall_checkpoint_every} "
                  f"of {spec.stall_steps} steps, sync then async",

@@ -95,15 +95,28 @@ def view(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
 
 
 def rebuild(buffer: torch.Tensor, layout: Any) -> Any:
-    """The state tree, each tensor a copy of its own (a checkpoint as a synchronous save
-    writes it: one storage per tensor, not views into the buffer)."""
-    if isinstance(layout, _Slot):
-        return view(buffer, layout).clone()
-    if isinstance(layout, dict):
-        return {k: rebuild(buffer, v) for k, v in layout.items()}
-    if isinstance(layout, (list, tuple)):
-        return type(layout)(rebuild(buffer, v) for v in layout)
-    return layout
+    """The state tree, each tensor a storage of its own over its bytes in the buffer, not
+    copied (torch.save writes one storage per tensor, as a synchronous save does; views of
+    the buffer would each write it all)."""
+    memory = memoryview(buffer.numpy()).cast("B")
+
+    def build(layout: Any) -> Any:
+        if isinstance(layout, _Slot):
+            size = torch.empty((), dtype=layout.dtype).element_size()
+            count = 1
+            for n in layout.shape:
+                count *= n
+            if count == 0:
+                return torch.empty(layout.shape, dtype=layout.dtype)
+            return torch.frombuffer(memory[layout.offset:layout.offset + count * size],
+                                    dtype=layout.dtype).view(layout.shape)
+        if isinstance(layout, dict):
+            return {k: build(v) for k, v in layout.items()}
+        if isinstance(layout, (list, tuple)):
+            return type(layout)(build(v) for v in layout)
+        return layout
+
+    return build(layout)
 
 
 def _pin(buffer: torch.Tensor) -> bool:
