@@ -57,7 +57,7 @@ def test_an_async_save_writes_what_a_sync_one_does_from_a_process_of_its_own(tmp
     with torch.no_grad():  # training goes on: the save holds the state as it was
         model.weight.add_(1.0)
     writer.save(2, full_state, {"loss": 0.5})
-    writer.finish()
+    writer.close()
     assert commits == [1, 1, 2] and set(writer.blocked_s) == {1, 2}
     import io
 
@@ -73,7 +73,7 @@ def test_an_async_save_writes_what_a_sync_one_does_from_a_process_of_its_own(tmp
     assert b["model"]["weight"].untyped_storage().nbytes() == b["model"]["weight"].numel() * 4
     two = torch.load(io.BytesIO(store(tmp_path / "async").load_latest()[1]), weights_only=True)
     assert torch.equal(two["model"]["weight"], expected["weight"] + 1)
-    assert writer._writer._proc is None  # finished: its process is gone
+    assert writer._writer._proc is None  # closed: its process is gone
 
 
 def test_a_failed_async_write_fails_the_next_save_or_the_end(tmp_path):
@@ -91,6 +91,18 @@ def test_a_failed_async_write_fails_the_next_save_or_the_end(tmp_path):
     with pytest.raises(RuntimeError, match="no space left on device .step 4."):
         writer.finish()
     assert commits == [1]
+    # A saver no one holds any more (its loop replaced after a recovery) lets its writer go.
+    import gc
+
+    from .ray_procs import live_processes
+
+    pid = writer._writer._proc.pid
+    del writer
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while any(p == pid for p, _, _ in live_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p != pid for p, _, _ in live_processes())
 
 
 KILLED_MID_WRITE = """

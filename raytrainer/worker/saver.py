@@ -86,16 +86,24 @@ class CheckpointSaver:
         future.add_done_callback(done)
 
     def finish(self) -> None:
-        """Wait for a write under way (and let its process go: the run is over, or pauses);
-        raise if one failed."""
+        """Wait for a write under way; raise if one failed. (The writer process stays for the
+        next save; it goes with its worker, or with this saver.)"""
         if self._writer is not None:
-            self._writer.close()
+            self._writer.wait()
         if self._sharded is not None:
             try:
                 self._sharded.wait()
             except BaseException:
                 pass  # its done callback has kept the error
         self.raise_error()
+
+    def close(self) -> None:
+        """finish(), and let the writer process go now."""
+        try:
+            self.finish()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
 
     def raise_error(self) -> None:
         if self._error is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -192,25 +193,32 @@ class ProcessWriter:
         theirs.close()
         watched.close()
         self._conn = mine
-        threading.Thread(target=self._answers, args=(mine,), name="raytrainer-checkpoint-answers",
-                         daemon=True).start()
+        # A writer no one holds any more (a loop replaced after a recovery) lets its process
+        # go: the answers' thread holds it only weakly, and the pipe closes with it.
+        weakref.finalize(self, self._alive.close)
+        threading.Thread(target=_answers, args=(weakref.ref(self), mine, self._idle),
+                         name="raytrainer-checkpoint-answers", daemon=True).start()
 
-    def _answers(self, conn: Any) -> None:
-        while True:
-            try:
-                answer = conn.recv()
-            except (EOFError, OSError):
-                if not self._idle.is_set():  # it died while writing
-                    self.on_error(RuntimeError("the checkpoint writer process died while writing"))
-                    self._idle.set()
-                return
-            try:
+
+def _answers(writer: Callable[[], ProcessWriter | None], conn: Any, idle: threading.Event) -> None:
+    """The writer process's answers, to the worker's callbacks, until it is gone."""
+    while True:
+        try:
+            answer = conn.recv()
+        except (EOFError, OSError):
+            if not idle.is_set() and (w := writer()) is not None:  # it died while writing
+                w.on_error(RuntimeError("the checkpoint writer process died while writing"))
+            idle.set()
+            return
+        try:
+            if (w := writer()) is not None:
                 if answer[0] == "committed":
-                    self.on_commit(answer[1])
+                    w.on_commit(answer[1])
                 else:
-                    self.on_error(RuntimeError(answer[1]))
-            finally:
-                self._idle.set()
+                    w.on_error(RuntimeError(answer[1]))
+                del w
+        finally:
+            idle.set()
 
 
 def _writer_main(conn: Any, alive: Any, checkpoints: Checkpoints) -> None:
