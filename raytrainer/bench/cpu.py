@@ -169,14 +169,19 @@ class Sampler:
 
 
 def _at(proc: dict[str, Any], t: float, field: int) -> float:
-    """A process's cumulative CPU (field 1: own, 2: reaped children) at time t, linear
-    between samples; 0 at its start; its last value after its last sample."""
+    """A process's cumulative CPU (field 1: own, 2: reaped children) at time t: its own,
+    linear between samples (it grows as it runs); its reaped children's, as of the last
+    sample at or before t (it jumps when a child is reaped: a run's loader processes,
+    reaped after its last step, must not count in a window that ends there). 0 at its
+    start; its last value after its last sample."""
     samples = proc["samples"]
     if not samples or t <= proc["start"]:
         return 0.0
     prev = (proc["start"], 0.0, 0.0)
     for sample in samples:
         if sample[0] >= t:
+            if field == 2:
+                return sample[2] if sample[0] == t else prev[2]
             span = sample[0] - prev[0]
             share = (t - prev[0]) / span if span > 0 else 1.0
             return prev[field] + share * (sample[field] - prev[field])
