@@ -25,7 +25,6 @@ env_vars; a variable the keeper has and the run unset stays set.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -64,8 +63,11 @@ _NOISE = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
 def keep_minutes() -> float:
-    """RAYTRAINER_KEEP_RAY: the idle minutes after which a kept Ray stops; 0: keep none."""
+    """RAYTRAINER_KEEP_RAY: the idle minutes after which a kept Ray stops; 0: keep none
+    (and none is kept off Linux: the keeper is found through /proc)."""
     text = os.environ.get(KEEP_ENV, "").strip()
+    if not sys.platform.startswith("linux"):
+        return 0.0
     if not text:
         return DEFAULT_KEEP_MINUTES
     try:
@@ -138,9 +140,12 @@ def connect(address: str | None = None, **options: Any) -> None:
             try:
                 ray.init(address=held.address, logging_level="WARNING",
                          runtime_env={"env_vars": env} if env else None)
-            except Exception:
+            except Exception as exc:  # noqa: BLE001 - its Ray is broken: this run starts its own
                 release()
-                raise
+                print(f"raytrainer: warning: could not join the local Ray kept at {held.address} "
+                      f"({type(exc).__name__}: {exc}); `raytrainer down` stops it. Starting a Ray for this run.",
+                      file=sys.stderr)
+                return _start_for_this_run(address, options)
             _started_here = True
             connected = "kept, started" if held.started else "kept, joined"
             if held.started:
@@ -148,6 +153,12 @@ def connect(address: str | None = None, **options: Any) -> None:
                       f"{keep_minutes():g} idle minutes, or at `raytrainer down` ({KEEP_ENV}=0: a Ray per run)",
                       file=sys.stderr)
             return
+    _start_for_this_run(address, options)
+
+
+def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
+    import ray
+
     with settings():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
@@ -215,6 +226,8 @@ def _hold_kept() -> _Hold | None:
 def _lock(path: Path, tries: int = 1) -> Any:
     """The file at `path`, open and exclusively flock'ed, or None if another process holds
     it (`tries` attempts 20 ms apart: the keeper holds it for a moment when it looks)."""
+    import fcntl
+
     f = open(path, "a")
     for attempt in range(tries):
         try:
@@ -292,8 +305,8 @@ def up(folder: Path | None = None, minutes: float | None = None) -> str:
     if minutes <= 0:
         from ..errors import ConfigError
 
-        raise ConfigError(f"{KEEP_ENV}=0: each run starts a Ray of its own and none is kept; unset it (or set "
-                          "the idle minutes after which the kept Ray stops)")
+        raise ConfigError(f"{KEEP_ENV}=0 (or not Linux): each run starts a Ray of its own and none is kept; "
+                          "unset it (or set the idle minutes after which the kept Ray stops)")
     folder = folder or state_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = _keeper(folder) or _start_keeper(folder, minutes)
