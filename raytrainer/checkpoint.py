@@ -32,8 +32,6 @@ import io
 import json
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +62,7 @@ class Storage:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
-    def write(self, rel: str, data: bytes) -> None:
+    def write(self, rel: str, data: bytes | memoryview) -> None:
         path = self.path(rel)
         self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         with self.fs.open_output_stream(path) as f:
@@ -217,7 +215,7 @@ class Checkpoints:
 
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        data = buffer.getvalue()
+        data = buffer.getbuffer()  # not getvalue(): a copy of it all
         self.storage.write(f"{self.prefix}/{name}/{STATE}", data)
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -289,33 +287,3 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)
     return obj
-
-
-class AsyncWriter:
-    """Writes checkpoints on a background thread, one at a time; a new save waits for
-    the previous one, so at most one snapshot is held in memory besides the model."""
-
-    def __init__(self, checkpoints: Checkpoints, on_commit: Callable[[Committed], None],
-                 on_error: Callable[[BaseException], None]):
-        self.checkpoints = checkpoints
-        self.on_commit, self.on_error = on_commit, on_error
-        self._jobs: queue.Queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._work, name="raytrainer-checkpoint", daemon=True)
-        self._thread.start()
-
-    def submit(self, step: int, snapshot: dict[str, Any], metrics: dict[str, float]) -> None:
-        self._jobs.join()  # the previous write has finished
-        self._jobs.put((step, snapshot, metrics))
-
-    def wait(self) -> None:
-        self._jobs.join()
-
-    def _work(self) -> None:
-        while True:
-            step, snapshot, metrics = self._jobs.get()
-            try:
-                self.on_commit(self.checkpoints.write(step, snapshot, metrics))
-            except BaseException as exc:  # reported on the training thread
-                self.on_error(exc)
-            finally:
-                self._jobs.task_done()

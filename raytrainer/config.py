@@ -288,7 +288,10 @@ class CheckpointConfig:
     keep_best: KeepBestConfig | None = None
     """Also keep the k best by a metric (the latest value logged at save time)."""
     async_save: bool = field(default=False, metadata={"key": "async"})
-    """`async: true`: copy the state off the device and write it in the background."""
+    """`async: true`: the training thread only copies the state (into shared memory; from a
+    GPU, a pinned non-blocking copy) and a process of its own at low priority serialises and
+    writes it (DDP: worker/writer.py; FSDP: torch.distributed.checkpoint's async_save, on a
+    thread). A failed write fails the run at the next save or the end; one save at a time."""
 
     def __post_init__(self):
         if self.every_n_steps is not None and self.every_n_steps < 1:

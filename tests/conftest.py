@@ -8,6 +8,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.chdir(ROOT)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+# A run that starts a local Ray stops it at its end (by default a first run leaves it up for
+# the next ones: driver/localray.py): no Ray outlives the test that started it, and none is
+# joined by a later test. tests/test_localray.py turns keeping on where it tests it.
+os.environ.setdefault("RAYTRAINER_KEEP_RAY", "0")
 
 
 # ---------------------------------------------------------------------------- Ray, shared

@@ -32,6 +32,117 @@ def loaded_step(found):
     return ckpt.step, torch.load(io.BytesIO(data), weights_only=True)["loop"]["step"]
 
 
+def saver(checkpoints, commits, **cfg):
+    from raytrainer.worker.saver import CheckpointSaver
+
+    return CheckpointSaver(checkpoints, CheckpointConfig(**cfg), lambda ckpt, path: commits.append(ckpt.step))
+
+
+def test_an_async_save_writes_what_a_sync_one_does_from_a_process_of_its_own(tmp_path):
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+
+    def full_state():
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loop": {"step": 1},
+                "flags": torch.tensor([True, False]), "scalar": torch.tensor(3.5, dtype=torch.float64)}
+
+    commits = []
+    sync = saver(store(tmp_path / "sync", keep_last=5), commits)
+    sync.save(1, full_state, {"loss": 1.0})
+    writer = saver(store(tmp_path / "async", keep_last=5), commits, async_save=True)
+    writer.save(1, full_state, {"loss": 1.0})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # training goes on: the save holds the state as it was
+        model.weight.add_(1.0)
+    writer.save(2, full_state, {"loss": 0.5})
+    writer.close()
+    assert commits == [1, 1, 2] and set(writer.blocked_s) == {1, 2}
+    import io
+
+    (_, one_sync), (_, one_async) = (store(tmp_path / d, keep_last=5).load_latest() if d == "sync" else
+                                     (None, store(tmp_path / d).storage.read(f"run/checkpoints/step-00000001/state.pt"))
+                                     for d in ("sync", "async"))
+    a, b = (torch.load(io.BytesIO(data), weights_only=True) for data in (one_sync, one_async))
+    assert a["model"].keys() == b["model"].keys() and a["loop"] == b["loop"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) and torch.equal(b["model"][k], expected[k]) for k in expected)
+    assert torch.equal(a["optimizer"]["state"][0]["exp_avg"], b["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(a["flags"], b["flags"]) and b["scalar"].dtype == torch.float64 and b["scalar"].item() == 3.5
+    # each tensor a storage of its own, as a synchronous save writes it
+    assert b["model"]["weight"].untyped_storage().nbytes() == b["model"]["weight"].numel() * 4
+    two = torch.load(io.BytesIO(store(tmp_path / "async").load_latest()[1]), weights_only=True)
+    assert torch.equal(two["model"]["weight"], expected["weight"] + 1)
+    assert writer._writer._proc is None  # closed: its process is gone
+
+
+def test_a_failed_async_write_fails_the_next_save_or_the_end(tmp_path):
+    from .writers import FailingCheckpoints
+
+    commits = []
+    checkpoints = FailingCheckpoints(Storage(str(tmp_path)), "run", CheckpointConfig(), fail_from=2)
+    writer = saver(checkpoints, commits, async_save=True)
+    writer.save(1, lambda: state(1), {})
+    writer.save(2, lambda: state(2), {})
+    writer._writer.wait()
+    with pytest.raises(RuntimeError, match="writing a checkpoint failed: .*no space left on device"):
+        writer.save(3, lambda: state(3), {})
+    writer.save(4, lambda: state(4), {})
+    with pytest.raises(RuntimeError, match="no space left on device .step 4."):
+        writer.finish()
+    assert commits == [1]
+    # A saver no one holds any more (its loop replaced after a recovery) lets its writer go.
+    import gc
+
+    from .ray_procs import live_processes
+
+    pid = writer._writer._proc.pid
+    del writer
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while any(p == pid for p, _, _ in live_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p != pid for p, _, _ in live_processes())
+
+
+KILLED_MID_WRITE = """
+import sys, time
+from raytrainer.checkpoint import Storage
+from raytrainer.config import CheckpointConfig
+from raytrainer.worker.saver import CheckpointSaver
+from tests.writers import SlowCheckpoints
+
+if __name__ == "__main__":
+    checkpoints = SlowCheckpoints(Storage(sys.argv[1]), "run", CheckpointConfig(), marker=sys.argv[2])
+    saver = CheckpointSaver(checkpoints, CheckpointConfig(async_save=True), lambda ckpt, path: None)
+    saver.save(1, lambda: {"w": __import__("torch").ones(1000)}, {})
+    time.sleep(600)
+"""
+
+
+def test_a_writer_dies_with_its_worker_killed_mid_write(tmp_path):
+    from .ray_procs import live_processes
+
+    marker = tmp_path / "writing"
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_MID_WRITE)
+    worker = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker)], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.1)
+        writer = int(marker.read_text())  # it is writing now
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 30
+    while any(pid == writer for pid, _, _ in live_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(pid != writer for pid, _, _ in live_processes()), "the writer outlived its worker"
+    assert not list(tmp_path.glob("run/checkpoints/*/COMMITTED"))
+
+
 def test_a_checkpoint_without_its_marker_is_invisible(tmp_path):
     ckpts = store(tmp_path, keep_last=5)
     ckpts.write(2, state(2), {})

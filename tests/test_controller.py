@@ -9,7 +9,7 @@ from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, Refor
 from raytrainer.driver.controller import Controller, ControllerSettings, Records, State
 from raytrainer.errors import ConfigError, WorkerError
 from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
-from raytrainer.driver.policy import FailuresExceeded
+from raytrainer.driver.policy import FailuresExceeded, poll_wait
 
 NODES = [Node("10.0.0.1", pid=100), Node("10.0.0.2", pid=200)]
 
@@ -20,6 +20,7 @@ class FakeGroup:
         self.fail_on_setup = fail_on_setup
         self.storage = storage  # what check_storage returns, or the error it raises
         self.calls = []
+        self.waits = []  # each poll's timeout
 
     def start(self):
         self.calls.append(("start", 2))
@@ -41,6 +42,7 @@ class FakeGroup:
         self.calls.append(("launch",))
 
     def poll(self, timeout):
+        self.waits.append(timeout)
         item = self.polls.pop(0)
         if isinstance(item, Exception):
             raise item
@@ -84,6 +86,31 @@ def test_rows_reach_the_sinks_and_the_run_finishes(tmp_path):
     assert [e["event"] for e in log] == ["run_started", "group_formed", "finished"]
     assert log[1]["world_size"] == 2 and log[1]["total_steps"] == 3 and log[-1]["step"] == 3
     assert group.calls == [("start", 2), ("check_storage", 2), ("setup",), ("launch",), ("shutdown",)]
+
+
+def test_while_training_runs_a_poll_waits_until_a_check_is_due_and_while_recovering_the_shortest():
+    # The earliest check due in 0.6 s: wait that long; past due: the shortest; none due
+    # within the longest wait: the longest.
+    assert poll_wait(10.0, [10.6, 12.0], 0.2, 1.0) == pytest.approx(0.6)
+    assert poll_wait(10.0, [9.0], 0.2, 1.0) == 0.2
+    assert poll_wait(10.0, [15.0], 0.2, 1.0) == 1.0 and poll_wait(10.0, [], 0.2, 1.0) == 1.0
+
+
+def test_the_controller_polls_long_while_training_and_short_while_it_settles_a_failure(tmp_path):
+    reformed = Reformed(step=1, nodes=NODES, source=1, state_from="object_store", replaced=[1])
+    group = FailingGroup([Poll(rows(1)), Poll(rows(2)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)]),
+                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed])
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    # Checks far apart: while training runs, every poll waits the longest (no timing: the
+    # first drain check is due at once, the next one an hour on).
+    settings = ControllerSettings(min_workers=2, poll_interval_s=0.25, max_poll_s=7.0, drain_check_s=3600,
+                                  failure=FailureConfig(max_failures=1, step_timeout_s=None))
+    assert Controller(group, settings, Records(hub=hub, events=events)).run() == WEIGHTS
+    events.close()
+    # 1st poll: the first drain check is due (0.25); then 7 s while training; the failure
+    # is settled with short polls; training again: 7 s.
+    assert group.waits == [0.25, 7.0, 7.0, 0.25, 7.0]
 
 
 def test_a_worker_failure_fails_the_run_logs_it_and_shuts_down(tmp_path):

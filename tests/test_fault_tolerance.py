@@ -2,6 +2,9 @@
 survivors and ends with the same weights as an undisturbed run."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -109,6 +112,38 @@ def test_the_warm_spare_starts_once_training_runs_and_takes_a_lost_workers_place
     finally:
         group.shutdown()
     assert_no_leaks()
+
+
+SPARE_IMPORTS = """
+import os, sys, threading, time
+from raytrainer.worker.actor import _Imports
+
+def nice(tid):  # field 19 of /proc/.../stat, after the command name
+    text = open(f"/proc/self/task/{tid}/stat").read()
+    return int(text[text.rindex(")") + 2:].split()[16])
+
+imports = _Imports(background=True)
+assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "optim")
+seen = set()
+while imports._thread.is_alive():
+    try:
+        seen.add(nice(imports._thread.native_id))
+    except (OSError, TypeError):
+        pass
+    time.sleep(0.01)  # a busy loop here would take the CPU the nice thread waits for
+imports.wait()
+import torch._dynamo, raytrainer.worker.loop
+print(sorted(seen), nice(threading.get_native_id()), os.nice(0))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_a_warm_spare_imports_torch_on_a_thread_of_the_lowest_priority_and_trains_at_its_own():
+    """The spare's import (seconds of CPU, while training runs on the same cores) runs at
+    nice 19; the process and its other threads keep their priority."""
+    out = subprocess.run([sys.executable, "-c", SPARE_IMPORTS], capture_output=True, text=True, check=True)
+    seen, main_thread, process = out.stdout.split("]")[0] + "]", *out.stdout.split("]")[1].split()
+    assert "19" in seen and (main_thread, process) == (str(os.nice(0)), str(os.nice(0))), out.stdout
 
 
 def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, tmp_path):

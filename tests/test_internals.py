@@ -69,6 +69,10 @@ NAMES = [
      "telling whether the driver started its Ray (driver/_internals.started_local_ray)"),
     (RAY, "ray._private.state", "state.get_draining_nodes",
      "leaving nodes drained for preemption before their deadline (driver/_internals.draining_nodes)"),
+    (RAY, "ray._private.services", "find_bootstrap_address",
+     "joining a user's `ray start` Ray before the kept local Ray (driver/_internals.bootstrap_address)"),
+    (RAY, "ray._private.authentication.authentication_token_setup", "maybe_enable_token_auth_if_token_available",
+     "joining a kept local Ray that runs with token auth (driver/_internals.enable_token_auth)"),
 ]
 
 

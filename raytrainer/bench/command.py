@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .report import format_table, recovery_lines, settings_lines
+from .report import cpu_lines, format_table, recovery_lines, settings_lines
 from .run import run_bench
 from .spec import FSDP_SCENARIOS, SMOKE, BenchSpec
 
@@ -21,6 +21,8 @@ OPTIONS: dict[str, str | None] = {
     "ray_train_steps": "optimizer steps for Ray Train",
     "ray_train_poll_s": "Ray Train's controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default 2 s): "
                         "its report() waits for it",
+    "window_steps": "steps per window: steady-state steps/s is the median of such windows' rates",
+    "cpu_sample_s": "how often the CPU time of each process of a run is read (0: never; the CPU table)",
     "repetitions": None,
     "checkpoint_mb": "model size (MB) of the stall runs",
     "stall_steps": "optimizer steps of each stall run",
@@ -37,8 +39,8 @@ OPTIONS: dict[str, str | None] = {
     "faults_workers": "workers of the faults runs",
     "faults_every": "steps between the five faults of the faults run",
     "faults_step_timeout_s": "failure.step_timeout_s of the faults runs (how long a freeze goes unnoticed)",
-    "scenarios": "comma-separated subset of train (start-up, steps/s), join (start-up joining a running "
-                 "Ray), kill (worker SIGKILL), stall "
+    "scenarios": "comma-separated subset of train (start-up, steps/s), join (start-up of a later run, "
+                 "joining the local Ray the first one kept), kill (worker SIGKILL), stall "
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
                  "(five faults in one run), peers (--strategy fsdp: recovery from peer snapshots and from a "
                  "checkpoint, the snapshots' cost)",
@@ -78,6 +80,8 @@ def main(args: argparse.Namespace) -> int:
           f"{report['settings']['workers']} CPU workers, Gloo; medians of "
           f"{report['settings']['repetitions']} repetition(s)")
     print(format_table(report))
+    if lines := cpu_lines(report):
+        print("\n".join(lines))
     if lines := settings_lines(report):
         print("\n" + "\n".join(lines))
     for note in report["notes"]:

@@ -63,6 +63,7 @@ def run_raw(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     if not done:
         raise BenchError(f"raw {spec.get('strategy', 'ddp').upper()} workers exited before finishing")
     return {"step_times": [t for _, _, t in rows], "last_loss": rows[-1][1], "phases": phases,
+            "worker_pids": list(procs.pids()),
             "threads": phases.pop("threads", None), "worker_threads": snapshot, "contender_settings": settings(spec)}
 
 

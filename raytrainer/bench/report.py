@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .faults import DOUBLE_KILL_GAP_S, FAULT_TITLES, FAULTS, FAULTS_COLLECTIVE_TIMEOUT_S, fault_plan
+from .cpu import OUTSIDE, ROLES, per_1000_steps, spread, window_rates
 from .spec import CONTENDERS, LABELS, BenchSpec, rate
 
 
@@ -49,9 +50,44 @@ def _joined_start(run: dict[str, Any]) -> float | None:
     return start_to_first_step(run, "train" if run["contender"] == "raw" else "join")
 
 
+def _steady_from(run: dict[str, Any]) -> int:
+    """The index of a train run's first steady-state step time."""
+    times = run["step_times"]
+    return min(int(len(times) * run.get("steady_from", run["warmup_fraction"])), len(times) - 2)
+
+
+def steady_windows(run: dict[str, Any]) -> list[float] | None:
+    """The steps/s of consecutive window_steps-step windows from steady_from on."""
+    if not _train_run(run):
+        return None
+    return window_rates(run["step_times"][_steady_from(run):], run.get("window_steps", 200))
+
+
 def steady_steps_per_s(run: dict[str, Any]) -> float | None:
-    """Over the steps from steady_from on (the first seconds are start-up)."""
-    return rate(run["step_times"], run.get("steady_from", run["warmup_fraction"])) if _train_run(run) else None
+    """The median of the steady windows' rates (the first seconds are start-up): a slow
+    second of the machine moves one window, not the figure."""
+    windows = steady_windows(run)
+    return statistics.median(windows) if windows else None
+
+
+def cpu_windows(run: dict[str, Any]) -> dict[str, tuple[float, float, int]]:
+    """The parts of a run whose CPU the report counts, by the key they go under, as
+    (start, end, steps): "cpu", a train run's steady state, an input run's steps after the
+    warm-up, the stall runs' training (sync, then async), any other run's training;
+    "cpu_startup", a train run's steps before its steady state (where Ray's daemons settle
+    and the warm spare starts)."""
+    times = run.get("step_times") or []
+    if len(times) < 2:
+        return {}
+    if _train_run(run):
+        first = _steady_from(run)
+        out = {"cpu_startup": (times[0], times[first], first)} if first > 0 else {}
+        return {**out, "cpu": (times[first], times[-1], len(times) - 1 - first)}
+    if run.get("scenario") == "stall" and run.get("async_step_times"):  # both runs, the async writer's too
+        after = run["async_step_times"]
+        return {"cpu": (times[0], after[-1], len(times) + len(after) - 2)}
+    first = min(int(len(times) * run["warmup_fraction"]), len(times) - 2) if run.get("scenario") == "input" else 0
+    return {"cpu": (times[first], times[-1], len(times) - 1 - first)}
 
 
 def early_steps_per_s(run: dict[str, Any]) -> float | None:
@@ -102,7 +138,7 @@ FIGURES = (
     Figure("start_to_first_step_s", "process start to first finished step", "s", "lower",
            CONTENDERS, start_to_first_step, target="<= 1.5x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] <= 1.5),
-    Figure("start_joined_s", "the same, raytrainer joining a Ray already running", "s", "lower",
+    Figure("start_joined_s", "the same, a later run (joining the local Ray the first one kept)", "s", "lower",
            ("raw", "raytrainer"), _joined_start, target="<= 1.1x raw DDP",
            target_check=lambda m, r: r["raytrainer/raw"] <= 1.1, scenario="join"),
     Figure("steps_per_s", "steady-state steps/s, metrics to the driver every step", "steps/s",
@@ -132,6 +168,14 @@ FIGURES = (
            ("raytrainer",), lambda run: run.get("checkpoint_stall_sync_s"), scenario="stall"),
     Figure("checkpoint_stall_async_s", "training stall per checkpoint, async", "s", "lower",
            ("raytrainer",), lambda run: run.get("checkpoint_stall_async_s"), scenario="stall"),
+    Figure("checkpoint_stall_ratio", "the same, async over sync", "x", "lower", ("raytrainer",),
+           lambda run: (run["checkpoint_stall_async_s"] / run["checkpoint_stall_sync_s"]
+                        if run.get("checkpoint_stall_sync_s") else None),
+           target="<= 0.15x", target_check=lambda m, r: m["raytrainer"] <= 0.15, scenario="stall"),
+    Figure("checkpoint_held_sync_s", "training thread held per checkpoint, sync", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_held_sync_s"), scenario="stall"),
+    Figure("checkpoint_held_async_s", "training thread held per checkpoint, async (the copy)", "s", "lower",
+           ("raytrainer",), lambda run: run.get("checkpoint_held_async_s"), scenario="stall"),
     *(fig for i, (kind, ranks) in enumerate(FAULTS) for fig in _fault_figures(i, kind, ranks)),
     Figure("peers_kill_to_first_step_s", "fsdp: worker SIGKILL to first step after, from peer snapshots", "s",
            "lower", ("raytrainer",), lambda run: run.get("peers_kill_to_first_step_s"), target="<= 5 s",
@@ -184,8 +228,76 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str] | None = None) ->
             met = all(flags) if flags else None
             entry["met_runs"] = [sum(flags), len(flags)]
         entry.update(status="measured", values=values, medians=medians, ratios=ratios, target_met=met)
+        if fig.key == "steps_per_s":  # every steady window of every run, by contender
+            entry["windows"] = {c: spread([w for r in runs if r["contender"] == c for w in steady_windows(r) or ()])
+                                for c in fig.contenders if c in medians}
         out.append(entry)
     return out
+
+
+def cpu_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """scenario -> contender -> role -> CPU seconds per 1000 steps in the counted window
+    (cpu_window), the median over the repetitions (a role missing from a run counts 0),
+    with the totals, the machine's other work, and the load."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    parts = [(scenario, "cpu") for scenario in dict.fromkeys(r.get("scenario", "train") for r in runs)]
+    for scenario, key in parts + [("train_startup", "cpu_startup")]:
+        for contender in CONTENDERS:
+            mine = [r for r in runs if r.get("scenario", "train") == scenario.split("_")[0]
+                    and r["contender"] == contender and r.get(key)]
+            if not mine:
+                continue
+            each = [per_1000_steps(r[key], r[key]["steps"]) for r in mine]
+            keys = [k for k in (*ROLES, "total", "outside training workers", "others on the machine")
+                    if any(k in e for e in each)]
+            row = {k: statistics.median(e.get(k, 0.0) for e in each) for k in keys}
+            row["load average"] = statistics.median(r["load_before"] for r in mine)
+            row["window s"] = statistics.median(r[key]["seconds"] for r in mine)
+            out.setdefault(scenario, {})[contender] = row
+    return out
+
+
+CPU_TITLES = {"train": "train runs, steady state", "train_startup": "train runs, start-up (before the steady state)",
+              "input": "input runs, loader processes, after the warm-up",
+              "join": "join runs", "kill": "kill runs", "stall": "stall runs", "grow": "grow run",
+              "faults": "faults run", "peers": "peers runs"}
+
+
+def cpu_lines(report: dict[str, Any], scenarios: tuple[str, ...] = ("train", "train_startup", "input")) -> list[str]:
+    """The CPU tables (Markdown): CPU seconds per 1000 steps (= ms per step) of each role's
+    processes, by contender; for the train runs with the steady windows' spread under it."""
+    labels = report.get("contenders", LABELS)
+    lines: list[str] = []
+    for scenario in scenarios:
+        table = report.get("cpu", {}).get(scenario)
+        if not table:
+            continue
+        names = list(table)
+        lines += ["", f"| CPU s per 1000 steps (ms per step), {CPU_TITLES[scenario]} | "
+                  + " | ".join(labels[c] for c in names) + " |", "|" + "---|" * (len(names) + 1)]
+        keys = [k for k in (*ROLES, "total", "outside training workers", "others on the machine", "window s",
+                            "load average") if any(k in table[c] for c in names)]
+        for key in keys:
+            cells = [_fmt(table[c][key]) if key in table[c] else "-" for c in names]
+            title = f"**{key}**" if key in ("total", "outside training workers") else key
+            lines.append(f"| {title} | " + " | ".join(cells) + " |")
+        if scenario == "train":
+            steps = next((f for f in report["figures"] if f["key"] == "steps_per_s"), None)
+            windows = (steps or {}).get("windows") or {}
+            cells = [_spread_text(windows.get(c)) for c in names]
+            size = report.get("settings", {}).get("window_steps", 200)
+            lines.append(f"| steps/s, median of {size}-step windows (min, q1-q3, max) | " + " | ".join(cells) + " |")
+    if lines:
+        lines.append("")
+        lines.append(f"Roles (bench/cpu.py): {', '.join(OUTSIDE)} are outside the training workers; 'others on the "
+                     "machine' is the machine's busy CPU in the same window less the run's (other work).")
+    return lines
+
+
+def _spread_text(s: dict[str, float] | None) -> str:
+    if not s:
+        return "-"
+    return f"{_fmt(s['median'])} ({_fmt(s['min'])}, {_fmt(s['q1'])}-{_fmt(s['q3'])}, {_fmt(s['max'])})"
 
 
 def contender_settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -237,9 +349,10 @@ def notes(spec: BenchSpec) -> list[str]:
             "The raw column and the ratios to raw are raw FSDP2's.")
     if "join" in spec.scenario_list:
         out.append(
-            "Join runs: raytrainer's train run in a fresh process with RAY_ADDRESS naming a Ray head "
-            f"({spec.workers + 1} CPUs, no dashboard) that the bench started before the runs (as `ray start "
-            "--head` would leave one) and stops after them; raw DDP's column is its train runs' start.")
+            "Join runs: raytrainer's train run in a fresh process, no RAY_ADDRESS, joining the local Ray that "
+            "a first `raytrainer train` leaves up for the next runs (driver/localray: RAYTRAINER_KEEP_RAY), "
+            "which the bench started (`raytrainer up`) before the runs and stops after them (`raytrainer "
+            "down`); raw DDP's column is its train runs' start.")
     if "kill" in spec.scenario_list:
         out.append(
             f"Kill runs: {spec.kill_steps} steps each, each step at least {spec.kill_pace_s:g} s (a sleep, "
@@ -256,11 +369,12 @@ def notes(spec: BenchSpec) -> list[str]:
             f"Stall runs (one local Ray): raytrainer trains a 2-layer MLP of about {spec.checkpoint_mb} MB with Adam "
             f"(the checkpoint holds three times that), {spec.stall_steps} steps, a checkpoint every "
             f"{spec.stall_checkpoint_every}, synchronous, then with checkpoint.async. A save after step k holds "
-            "rank 0 before step k+1 (the write; async: the copy of the state), and an async save's writer "
-            "thread then competes with training for the same cores until it commits. Stall: rank 0's time "
-            "from step k to the first step that ended after the commit (the checkpoint manifest's time), less "
-            "as many ordinary steps (the median step outside such windows); the median of the saves but the "
-            "last.")
+            "rank 0 before step k+1 (the write; async: the copy of the state into shared memory), and an async "
+            "save's writer process (nice 19) then writes it beside training until it commits. Stall: rank 0's "
+            "time from step k to the first step that ended after the commit (the checkpoint manifest's time), "
+            "less as many ordinary steps (the median step outside such windows); the median of the saves but "
+            "the last. Held: the time the save itself held rank 0's training thread (the commit event's "
+            "blocked_s).")
     if "peers" in spec.scenario_list:
         out.append(
             f"Peers runs (fsdp, one local Ray): the kill scenario's run ({spec.kill_steps} steps, the last rank "

@@ -43,7 +43,9 @@ def outcome(result) -> dict[str, Any]:
     rows = [r for r in result.history if "loss" in r]
     return {"step_times": [r["time"] for r in rows], "last_loss": rows[-1]["loss"],
             "phases": {f"event_{e['event']}": e["time"] for e in result.events},
-            "run_dir": str(result.run_dir)}
+            "run_dir": str(result.run_dir),
+            # The training workers' processes, for the CPU table (bench.cpu): every group's.
+            "worker_pids": sorted({pid for e in result.events for pid in e.get("pids", ())})}
 
 
 def settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +56,7 @@ def settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None = None,
                    failure: dict[str, Any] | None = None) -> dict[str, Any]:
+    from ..driver import localray
     from ..driver.api import train
 
     snapshot = work / "threads.json"  # rank 0's thread snapshot, written by the bench task
@@ -61,9 +64,10 @@ def run_raytrainer(spec: dict[str, Any], work: Path, data: dict[str, Any] | None
                  task_args={"threads_file": str(snapshot), "threads_at": threads_at(spec["steps"])})
     out = outcome(train(cfg, progress=False))
     out["worker_threads"] = json.loads(snapshot.read_text())
-    # ray_address "local": it started a Ray of its own; an address: it joined that Ray (or failed to start).
+    # ray_address "local": it started a Ray of its own; ray "kept, joined": it joined the local Ray kept
+    # for the next runs (driver/localray).
     out.update(threads=out["worker_threads"]["torch_intra_op"], contender_settings=settings(cfg),
-               ray_address=os.environ.get("RAY_ADDRESS"))
+               ray_address=os.environ.get("RAY_ADDRESS"), ray=localray.connected)
     return out
 
 
@@ -141,6 +145,7 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             raise BenchError(f"expected a recovery from {source}; it was: {run['recovered_event']}")
     with_, without = rate(on["step_times"], spec["warmup_fraction"]), rate(off["step_times"], spec["warmup_fraction"])
     return {"step_times": peers["step_times"], "phases": peers["phases"],
+            "worker_pids": sorted({p for run in (peers, checkpoint, on, off) for p in run["worker_pids"]}),
             "snapshot_every_n_steps": FailureConfig().snapshot_every_n_steps,
             "peers_kill_to_first_step_s": peers["kill_to_first_step_s"], "peers_steps_replayed": peers["steps_lost"],
             "checkpoint_kill_to_first_step_s": checkpoint["kill_to_first_step_s"],
@@ -234,13 +239,13 @@ def stall_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     competing with training for the same cores, when asynchronous."""
     import ray
 
-    from ..driver.api import train
+    from ..driver.api import init_ray, train
     from ..checkpoint import Checkpoints, Storage
     from ..config import CheckpointConfig
 
     wide = {**spec, "layers": 2, "hidden": stall_hidden(spec["checkpoint_mb"], spec["in_dim"]), "optimizer": "adam"}
     every = spec["stall_checkpoint_every"]
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, logging_level="WARNING")
+    init_ray()  # as raytrainer.train would
     try:
         runs = {}
         for mode in ("sync", "async"):
@@ -264,8 +269,16 @@ def stall_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         out[f"ordinary_step_{mode}_s"] = ordinary
         out["saves"] += [{"mode": mode, **s} for s in saves]
         out[f"{mode}_step_times"] = [t for _, t in rows]
-        out["checkpoint_bytes"] = max(e["bytes"] for e in result.events if e["event"] == "checkpoint_committed")
+        committed = [e for e in result.events if e["event"] == "checkpoint_committed"]
+        out["checkpoint_bytes"] = max(e["bytes"] for e in committed)
+        # How long each save held rank 0's training thread (async: the copy of the state),
+        # from the commit events; the saves the stall figure counts.
+        held = {e["step"]: e["blocked_s"] for e in committed if "blocked_s" in e}
+        counted = [held[s["step"]] for s in saves if s["step"] in held]
+        if counted:
+            out[f"checkpoint_held_{mode}_s"] = statistics.median(counted)
     out.update(step_times=out["sync_step_times"], phases=outcome(runs["async"][0])["phases"],
+               worker_pids=sorted({p for result, _ in runs.values() for p in outcome(result)["worker_pids"]}),
                contender_settings=settings(runs["async"][1]))
     return out
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,11 +20,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .cpu import Sampler
 from .faults import FAULTS, faults_raytrainer
 from .raw import input_raw, run_raw
 from .ray_train import kill_ray_train, run_ray_train
-from .report import (contender_settings, input_steps_per_s, notes, recovery_lines, start_to_first_step,
-                     steady_steps_per_s, summarize)
+from .report import (contender_settings, cpu_summary, cpu_windows, input_steps_per_s, notes, recovery_lines,
+                     start_to_first_step, steady_steps_per_s, summarize)
 from .rt import grow_raytrainer, input_raytrainer, kill_raytrainer, peers_raytrainer, run_raytrainer, stall_raytrainer
 from .spec import CONTENDERS, PACKAGE_ROOT, BenchError, BenchSpec
 
@@ -56,10 +58,11 @@ def contender_main(name: str, spec_json: str, result_path: str) -> int:
 
 
 def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "train",
-           cancel: threading.Event | None = None, ray_address: str = "local") -> dict[str, Any]:
+           cancel: threading.Event | None = None, kept_ray: str | None = None) -> dict[str, Any]:
     """Run one contender in a fresh process; return its result with the launch time. It is
     stopped past spec.timeout_s, or once `cancel` is set (another run of the bench failed).
-    `ray_address`: the Ray it joins; by default it starts one of its own."""
+    It starts a Ray of its own, or with `kept_ray` (a RAYTRAINER_RAY_DIR), joins the local
+    Ray kept there, as a run after the first does."""
     result_path = tmp / (f"{name}-{rep}" if scenario == "train" else f"{name}-{scenario}-{rep}") / "result.json"
     result_path.parent.mkdir(parents=True)
     log_path = result_path.parent / "log.txt"
@@ -68,9 +71,16 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Each contender starts a Ray of its own (what the start-up figure measures), never one
-    # it finds running on the machine, unless it is to join the bench's (the join scenario);
-    # the grow scenario names its cluster's address.
-    env["RAY_ADDRESS"] = ray_address
+    # it finds running on the machine, unless it is to join the bench's kept Ray (the join
+    # scenario); the grow scenario names its cluster's address.
+    if kept_ray is None:
+        env["RAY_ADDRESS"] = "local"
+    else:
+        # RAY_TMPDIR: Ray's own lookup of a Ray that `ray start` left on this machine (its temp
+        # dir's ray_current_cluster, joined before any kept Ray) finds none; another Ray on
+        # this machine is not the one measured.
+        env.pop("RAY_ADDRESS", None)
+        env.update(RAYTRAINER_RAY_DIR=kept_ray, RAYTRAINER_KEEP_RAY="10", RAY_TMPDIR=kept_ray)
     cmd = [sys.executable, "-m", "raytrainer.bench", "_contender", name,
            json.dumps({**asdict(spec), "scenario": scenario}), str(result_path)]
     # Other work on the machine skews every figure: keep the load next to each run.
@@ -79,9 +89,13 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
         launched = time.time()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(result_path.parent), start_new_session=True)
+        # Its session holds every process it starts: their CPU, read as it runs (bench.cpu).
+        sampler = Sampler(proc.pid, spec.cpu_sample_s).start() if spec.cpu_sample_s else None
         try:
             rc = _wait(proc, launched + spec.timeout_s, cancel)
         finally:  # also on Ctrl-C: stop it and everything it started
+            if sampler is not None:
+                sampler.stop()
             stop(proc)
     if rc != 0 or not result_path.exists():
         why = ("stopped: another contender run failed" if rc is None and cancel is not None and cancel.is_set()
@@ -93,7 +107,12 @@ def launch(name: str, spec: BenchSpec, rep: int, tmp: Path, scenario: str = "tra
     if not result.get("step_times"):
         raise BenchError(f"bench contender {spec.labels[name]} recorded no step")
     result.update(contender=name, scenario=scenario, repetition=rep, launched=launched,
-                  load_before=load_before, warmup_fraction=spec.warmup_fraction, steady_from=spec.steady_from)
+                  load_before=load_before, warmup_fraction=spec.warmup_fraction, steady_from=spec.steady_from,
+                  window_steps=spec.window_steps)
+    if sampler is not None:
+        pids = set(result.get("worker_pids") or ()) or None
+        for key, (t0, t1, steps) in cpu_windows(result).items():
+            result[key] = {**sampler.window(t0, t1, pids), "steps": steps}
     return result
 
 
@@ -153,7 +172,7 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
     label = spec.labels[name]
     return {
         "train": label,
-        "join": f"{label}, joining a running Ray",
+        "join": f"{label}, a later run, joining the local Ray the first one kept",
         "kill": f"{label}, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}",
         "stall": f"{label}, a {spec.checkpoint_mb} MB model, a checkpoint every {spec.stall_checkpoint_every} "
                  f"of {spec.stall_steps} steps, sync then async",
@@ -204,7 +223,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
     cancel = threading.Event()  # set on the way out: contender runs still going stop
     with (contextlib.nullcontext(str(keep_in)) if keep_in is not None
           else tempfile.TemporaryDirectory(prefix="raytrainer-bench-")) as tmp, \
-            running_ray(spec.workers + 1, "join" in scenarios) as address:
+            running_ray("join" in scenarios) as kept:
         runs = []
         for rep in range(spec.repetitions):
             order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate: no contender always first
@@ -214,7 +233,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
             def one(scenario: str, name: str) -> dict[str, Any]:
                 log(f"bench: repetition {rep + 1}/{spec.repetitions}: {_intro(spec, scenario, name)} ...")
                 run = launch(name, spec, rep, Path(tmp), scenario=scenario, cancel=cancel,
-                             ray_address=address if scenario == "join" else "local")
+                             kept_ray=kept if scenario == "join" else None)
                 for line in _outcome(scenario, run):
                     log(f"bench:   {line}")
                 if keep_in is None:  # about to be deleted
@@ -235,6 +254,7 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
         "contenders": spec.labels,
         "contender_settings": contender_settings(runs),
         "figures": summarize(runs, scenarios),
+        "cpu": cpu_summary(runs),
         "notes": notes(spec),
         "runs": runs,
         "seconds": round(time.time() - started, 1),
@@ -245,19 +265,22 @@ def run_bench(spec: BenchSpec, *, out: str | Path | None = None, log: Callable[[
 
 
 @contextlib.contextmanager
-def running_ray(num_cpus: int, needed: bool) -> Iterator[str | None]:
-    """A Ray head on this machine for the join runs to connect to (as `ray start --head`
-    would leave one), started before them and stopped after; None if not `needed`."""
+def running_ray(needed: bool) -> Iterator[str | None]:
+    """The local Ray a first `raytrainer train` leaves up for the next runs (driver/localray),
+    for the join runs, started before them and stopped after, in a folder of its own (its
+    RAYTRAINER_RAY_DIR); None if not `needed`."""
     if not needed:
         yield None
         return
-    from ray.cluster_utils import Cluster
+    from ..driver import localray
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
+    folder = Path(tempfile.mkdtemp(prefix="rtk-", dir="/tmp"))  # short: Ray's sockets live under it
     try:
-        yield cluster.address
+        localray.up(folder, minutes=10)
+        yield str(folder)
     finally:
-        cluster.shutdown()
+        localray.down(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _in_parallel(one: Callable[..., dict[str, Any]], plan: list[tuple[str, str]], workers: int,

@@ -45,6 +45,12 @@ class BenchSpec:
     Ray Train's best setting for per-step metrics. On a 2-core VM: 0.5 steps/s at 2 s, 9 at
     0.1, 24 at 0.03, 45 to 71 at 0.01, 28 to 74 at 0.001 (65 and 74 against 60 and 71 at
     0.01, side by side on the quietest minutes), where the poll no longer bounds it."""
+    window_steps: int = 200
+    """The steady-state steps/s of a train run is the median of the rates of consecutive
+    windows of this many steps (from steady_from on); the report gives their spread too."""
+    cpu_sample_s: float = 0.2
+    """How often the bench reads the CPU time of every process of a contender run
+    (bench.cpu; 0: never): the CPU table's figures."""
     repetitions: int = 3
     warmup_fraction: float = 0.1
     """Leading share of the steps left out of a rate (allocator, caches, first collectives)."""
@@ -80,8 +86,9 @@ class BenchSpec:
     grow_steps: int = 2000
     """Optimizer steps of the grow run; paced at 20 ms a step or more until the group has
     grown (adding a node takes seconds), then free."""
-    input_steps: int = 150
-    """Optimizer steps of the input runs with loader processes (raw DDP and raytrainer)."""
+    input_steps: int = 300
+    """Optimizer steps of the input runs with loader processes (raw DDP and raytrainer): about
+    7 s (150 were 3.5 s, in which a slow second of the machine moved the ratio by 10%)."""
     input_steps_no_loaders: int = 40
     """Optimizer steps of raytrainer's input run with data.num_workers 0 (each is slow)."""
     input_workers: int = 4
@@ -100,7 +107,7 @@ class BenchSpec:
     """failure.step_timeout_s of the faults runs: how long a frozen worker goes unnoticed."""
     scenarios: str = "train,join,kill,stall,grow,input,faults"
     """Which measurements to run: train (start-up, steps/s), join (raytrainer's start-up
-    joining a Ray already running on the machine), kill (worker SIGKILL), stall (checkpoint
+    in a later run: joining the local Ray a first run kept), kill (worker SIGKILL), stall (checkpoint
     stall inside training, sync and async), grow (elastic grow by one worker), input (a slow dataset
     through loader processes), faults (five faults in one run, against an undisturbed
     one), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,
@@ -117,9 +124,11 @@ class BenchSpec:
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples", "steps",
                     "ray_train_steps", "repetitions", "checkpoint_mb", "stall_steps", "stall_checkpoint_every",
                     "kill_steps", "kill_step", "kill_checkpoint_every", "grow_steps", "input_steps",
-                    "input_steps_no_loaders", "input_workers", "faults_every", "parallel"):
+                    "input_steps_no_loaders", "input_workers", "faults_every", "parallel", "window_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
+        if self.cpu_sample_s < 0:
+            raise ConfigError("bench --cpu-sample-s must be >= 0 (0: no CPU figures)")
         if self.kill_pace_s < 0:
             raise ConfigError("bench --kill-pace-s must be >= 0")
         if self.input_io_ms < 0 or self.input_decode_rounds < 0:

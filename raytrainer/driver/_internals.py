@@ -24,6 +24,28 @@ def started_local_ray() -> bool:
     return bool(node is not None and node.head)
 
 
+def bootstrap_address() -> str | None:
+    """The Ray that a `ray start` on this machine left (what a plain ray.init() joins: the
+    address in /tmp/ray/ray_current_cluster, checked to be live), if any, by Ray's own lookup
+    (ray._private.services.find_bootstrap_address), so that a run decides as ray.init would.
+    Without it: a run would start or join the kept local Ray (localray.py) where a user's own
+    `ray start` Ray should have been joined."""
+    from ray._private import services
+
+    return services.find_bootstrap_address(None)
+
+
+def enable_token_auth() -> None:
+    """Turn token authentication on in this process when a token exists, as ray.init does for
+    a local Ray it starts (ray._private.authentication.authentication_token_setup): a process
+    joining the kept local Ray, started with a token by its keeper, does not do it itself.
+    Without it: joining a kept Ray that runs with token auth fails with 'Authentication
+    required'."""
+    from ray._private.authentication import authentication_token_setup as auth
+
+    auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def draining_nodes() -> dict[str, float | None]:
     """The nodes being drained: node id -> deadline (time.time() seconds, None: none). Ray's
     own view (ray._private.state.state.get_draining_nodes), as Ray Train's and Ray Data's

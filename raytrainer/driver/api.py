@@ -17,7 +17,7 @@ from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config
 from ..contract import Resume
-from ._internals import started_local_ray
+from . import localray
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError
 from ..task import describe
@@ -76,10 +76,11 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         init_ray(address)
     try:
         return _run(config, storage, run_dir, resume, progress=progress,
-                    cluster_can_grow=not started_local_ray(), callbacks=list(callbacks))
+                    cluster_can_grow=not localray.started_here(), callbacks=list(callbacks))
     finally:
         if connected_here:
             ray.shutdown()
+            localray.release()  # a kept Ray may serve another run now
 
 
 def train_loop(fn: Any, config: str | Path | dict[str, Any] | None = None, overrides: Iterable[str] = (), *,
@@ -141,25 +142,10 @@ def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, s
 
 def init_ray(address: str | None = None, **options: Any) -> None:
     """Connect as ray.init() does: `address` or RAY_ADDRESS name a cluster; otherwise a Ray
-    started on this machine with `ray start` is joined, else a local one is started.
-
-    A local Ray started here runs its workers at nice 0, not Ray's default 15: it exists
-    for this run's workers, and at nice 15 every other process on a busy machine (the
-    driver, Ray's own daemons, anything else) takes their cores first, and a step waits
-    for its slowest rank. RAY_worker_niceness, if set, still decides; a cluster started
-    with `ray start` keeps whatever it was started with."""
-    import ray
-
-    key = "RAY_worker_niceness"
-    unset = key not in os.environ
-    if unset:
-        os.environ[key] = "0"  # read by the raylet this starts, and by the workers it forks
-    try:
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                 logging_level="WARNING", **options)
-    finally:
-        if unset:
-            os.environ.pop(key, None)
+    started on this machine with `ray start` is joined; otherwise the local Ray raytrainer
+    keeps for the next runs, started now if none is up; or a local one for this run
+    (RAYTRAINER_KEEP_RAY=0, or `options` configure it). See localray.py."""
+    localray.connect(address, **options)
 
 
 def resolve_use_gpu(scaling: Any, gpus: float, *, can_grow: bool, warn: Any = None) -> bool:

@@ -1,5 +1,5 @@
 """Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`,
-`raytrainer bench`, `raytrainer plot RUN_DIR ...`."""
+`raytrainer bench`, `raytrainer plot RUN_DIR ...`, `raytrainer up|down` (the kept local Ray)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     from ..bench import add_arguments
 
     add_arguments(bench)
+    sub.add_parser("up", help="start the local Ray that runs keep for the next ones, now (RAYTRAINER_KEEP_RAY)")
+    sub.add_parser("down", help="stop the local Ray that runs keep for the next ones")
     plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/digits-*")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one run, plot.png for several)")
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     prefix = "raytrainer" if args.command in ("train", "resume") else f"raytrainer {args.command}"
     try:
-        return {"train": _train, "resume": _train, "bench": _bench, "plot": _plot}[args.command](args)
+        commands = {"train": _train, "resume": _train, "bench": _bench, "plot": _plot, "up": _up, "down": _down}
+        return commands[args.command](args)
     except ConfigError as exc:
         print(f"{prefix}: config error: {exc}", file=sys.stderr)
         return 2
@@ -87,6 +90,21 @@ def _bench(args: argparse.Namespace) -> int:
     from ..bench import main as bench
 
     return bench(args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .localray import keep_minutes, up
+
+    print(f"a local Ray is up at {up()}: runs on this machine join it; it stops after {keep_minutes():g} idle "
+          "minutes, or at `raytrainer down`")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from .localray import down
+
+    print(down())
+    return 0
 
 
 def _plot(args: argparse.Namespace) -> int:

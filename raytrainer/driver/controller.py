@@ -41,6 +41,7 @@ before its workers could leave is a lost node like any other: a failure, recover
 from __future__ import annotations
 
 import enum
+import math
 import sys
 import time
 import warnings
@@ -53,7 +54,7 @@ from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
 from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
-from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, root_causes
+from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, root_causes
 
 
 class State(enum.Enum):
@@ -77,6 +78,10 @@ class ControllerSettings:
     replace_timeout_s: float = 10.0
     """scaling.replace_timeout_s: how long a drain waits for replacements."""
     poll_interval_s: float = 0.2
+    """How long a poll waits for a worker's run() to end while the group forms or recovers."""
+    max_poll_s: float = 1.0
+    """The same while training runs, at most (policy.poll_wait: until the next check is due):
+    metric rows reach the sinks in batches this far apart."""
     grow_check_s: float = 1.0
     """How often to look for room to grow."""
     drain_check_s: float = 1.0
@@ -116,17 +121,17 @@ class Controller:
         self._replicated = True  # whether every worker holds the whole state (Formed)
         self._nodes: list[Node] = []  # where each rank runs
         self.grow_check_s = settings.grow_check_s
-        self._grow_at = 0.0
+        self._grow_at = -math.inf  # due at once
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
         self.replace_timeout_s = settings.replace_timeout_s
         self.drain_check_s = settings.drain_check_s
-        self._drain_at = 0.0
+        self._drain_at = -math.inf  # due at once
         self._noticed: dict[str, float] = {}  # draining node id -> when we first saw it
         self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
         self._rows_at: list[tuple[float, int]] = []  # (when, step) of the last training rows
         self.hub, self.events, self.progress = records.hub, records.events, records.progress
-        self.poll_interval_s = settings.poll_interval_s
+        self.poll_interval_s, self.max_poll_s = settings.poll_interval_s, settings.max_poll_s
         self.callbacks, self.ctx = records.callbacks, records.context
         self.state = State.STARTING
         self.step = 0
@@ -221,7 +226,7 @@ class Controller:
                                       "(e.g. --set run.name=NEW)") from None
 
     def _poll(self) -> Poll:
-        poll = self.group.poll(self.poll_interval_s)
+        poll = self.group.poll(self._poll_wait())
         self._paused.update(poll.paused)
         self._record(poll.rows)
         for event in poll.events:
@@ -229,6 +234,16 @@ class Controller:
             if event["event"] == "checkpoint_committed":
                 self.callbacks("on_checkpoint", self.ctx, event["path"])
         return poll
+
+    def _poll_wait(self) -> float:
+        if self.state is not State.RUNNING:  # recovering, resizing: every moment counts
+            return self.poll_interval_s
+        due = [self._drain_at + self.drain_check_s]
+        if self.failure.step_timeout_s is not None:
+            due.append(self._status_at + 1.0)  # the hang check (_hung)
+        if self.world < self.max_workers and self._pause_asked is None:
+            due.append(self._grow_at + self.grow_check_s)
+        return poll_wait(time.monotonic(), due, self.poll_interval_s, self.max_poll_s)
 
     # ------------------------------------------------------------------ failures
 

@@ -16,7 +16,7 @@ from ..errors import RaytrainerError, WorkerError
 
 __all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "blame",
            "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
-           "leave_draining_nodes", "root_causes"]
+           "leave_draining_nodes", "poll_wait", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -198,3 +198,11 @@ def root_causes(failures: list[Failure]) -> list[Failure]:
 
 class FailuresExceeded(RaytrainerError):
     """The run failed more often than failure.max_failures allows."""
+
+
+def poll_wait(now: float, checks_due: Iterable[float], shortest: float, longest: float) -> float:
+    """How long the driver's poll waits for a worker's run() to end while training runs: until
+    the earliest periodic check falls due (hang, drains, room to grow), within [shortest,
+    longest]. A run that ends wakes the poll at once, so waiting longer loses no failure; it
+    saves the driver's and rank 0's CPU a call to hand over metric rows every `shortest`."""
+    return min(longest, max(shortest, min(checks_due, default=float("inf")) - now))

@@ -34,28 +34,21 @@ from ..task import build_task
 
 
 class Worker:
-    def __init__(self, config: dict[str, Any], payload: bytes | None = None):
+    def __init__(self, config: dict[str, Any], payload: bytes | None = None, spare: bool = False):
         # Import torch now, on every actor in parallel, not on the first call; and
         # torch._dynamo, which every optimizer imports as it is built (torch wraps
         # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid
         # here while a warm spare or a newcomer waits idle, not in the pause of a recovery
-        # or a grow. Every worker has imported it before its first step either way, so
-        # training does not change (an earlier measurement of steady-state steps after
-        # this import was noisy and bimodal).
-        from . import _internals
-
-        _internals.import_dynamo()
-
-        from . import loop  # noqa: F401
-        from .snapshot import PeerSnapshots
-
+        # or a grow. A warm spare imports them on a thread of the lowest priority (see
+        # _Imports): it starts while training runs, on the workers' cores.
+        self._imports = _Imports(background=spare)
         self.config = load_config(config)
         self.config.task.payload = payload  # a task or loop passed by value: unpickled at each setup
         self.rank: int | None = None
         self.loop = None
         # Kept across the groups this process trains in: a survivor goes back to its own
         # snapshot after the group it was taken in is gone (snapshot.py; sharded state).
-        self.snapshots = PeerSnapshots(self.config.failure.snapshot_every_n_steps)
+        self._snapshots: Any = None
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
         self._forming: str | None = None  # while setup or regroup runs (Status.forming)
@@ -63,11 +56,23 @@ class Worker:
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
+    @property
+    def snapshots(self):
+        if self._snapshots is None:
+            self._imports.wait()
+            from .snapshot import PeerSnapshots
+
+            self._snapshots = PeerSnapshots(self.config.failure.snapshot_every_n_steps)
+        return self._snapshots
+
     def node(self) -> Node:
+        """Where this worker runs; answered once it has imported what training needs (a warm
+        spare answers when it is ready to take a lost worker's place)."""
         import os
 
         import ray
 
+        self._imports.wait()
         return Node(ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
                     node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
                     gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
@@ -81,6 +86,7 @@ class Worker:
     def rendezvous(self) -> tuple[str, int]:
         """Host the next process group's store; its address. Asked of rank 0 only, before
         any rank is asked to join."""
+        self._imports.wait()
         from .dist import host_store
 
         ip = self.node().ip
@@ -101,6 +107,7 @@ class Worker:
         directory, or a peer snapshot (without data: this worker's own). A worker that
         trained in an earlier group starts over in this one. Returns (total steps, steps
         per epoch, whether the state is replicated)."""
+        self._imports.wait()
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop, LoopSettings, Outlets
 
@@ -316,6 +323,41 @@ class Worker:
     def _notify(self, event: dict[str, Any]) -> None:
         with self._lock:  # also called from the checkpoint writer thread
             self._events.append({**event, "rank": self.rank})
+
+
+class _Imports:
+    """torch, torch._dynamo and the loop's modules, imported in this process: at once, or
+    (a warm spare) on a background thread at nice 19. That thread's CPU then goes to
+    training first: a spare's import (about 2 CPU-s on a 2-core VM, at nice 0) took the
+    cores from the workers' first seconds of training. Calls that need the modules wait
+    for it (`wait`); a recovery taking the spare early finds the cores free to finish it,
+    the survivors waiting. Its nice value is the thread's own (Linux): the process, and
+    every thread that trains later, keeps the worker's."""
+
+    def __init__(self, background: bool):
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(19,), name="raytrainer-warm-up", daemon=True)
+            self._thread.start()
+        else:
+            self._run(None)
+
+    @staticmethod
+    def _run(nice: int | None) -> None:
+        if nice is not None and sys.platform.startswith("linux"):
+            import os
+
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        from . import _internals
+
+        _internals.import_dynamo()
+
+        from . import loop, snapshot  # noqa: F401
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
 
 @contextlib.contextmanager

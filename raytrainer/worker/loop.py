@@ -458,7 +458,9 @@ class Loop:
 
     def _committed(self, ckpt: Committed, path: str) -> None:
         self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,
-                     "bytes": sum(f["size"] for f in ckpt.manifest["files"].values())})
+                     "bytes": sum(f["size"] for f in ckpt.manifest["files"].values()),
+                     # how long the save held the training thread (async: the copy of the state)
+                     "blocked_s": round(self.saver.blocked_s.pop(ckpt.step, 0.0), 4)})
         self.callbacks("on_checkpoint", self, path)
 
     # ------------------------------------------------------------------ recovery

@@ -59,7 +59,7 @@ def start_worker(config: Config, bundle: dict[str, float], slot: Slot, spare: bo
         num_gpus=0 if spare else bundle.get("GPU", 0),
         resources=None if spare else extra or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(config.to_dict(), config.task.payload)  # a task passed by value: its object-store ref
+    ).remote(config.to_dict(), config.task.payload, spare=spare)  # a task passed by value: its object-store ref
 
 
 def control(actor: Any, method: str) -> Any:

@@ -5,7 +5,9 @@ It runs on a slot's node but holds no resources (CPU workers only: a GPU worker 
 GPU assigned by Ray at creation). It starts once training runs (the group's first poll),
 not beside the workers' start: a process importing torch on the same cores delays their
 set-up and first step; and the next one once a recovered group has formed, not as the
-recovery begins, so its start does not take the cores the recovery needs.
+recovery begins, so its start does not take the cores the recovery needs. It imports
+torch on a thread at nice 19 (worker.actor._Imports), so that training keeps the cores
+meanwhile, and is ready once it answers its node() call.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ class WarmSpare:
             self._node = (self.actor.node.remote(), roster.nodes[0].node_id)
 
     def take(self, node_id: str) -> tuple[Any, Any] | None:
-        """The spare and its node() call, made as it started (a recovery waits for it
-        through that call: one round trip fewer), if it is (or is being) started on
-        `node_id`; used even while it still imports torch, it is ahead of a cold start."""
+        """The spare and its node() call, made as it started, if it is ready (it has answered
+        that call: torch imported) on `node_id`. One still importing is left to go on:
+        it imports at the lowest priority (worker.actor._Imports), which on a busy machine
+        can take longer than a cold start at the workers' own."""
         if self.actor is None:
             return None
-        ref, on = self._node
+        ref, _ = self._node
         try:
             on = ray.get(ref, timeout=0).node_id
         except GetTimeoutError:
-            pass
+            return None
         except (RayActorError, RayTaskError):  # it died (its node with it?): start a new one later
             self.actor = None
             return None

@@ -1,0 +1,360 @@
+"""The local Ray that raytrainer starts: its settings, and keeping it up for the next run.
+
+A run given no Ray (no address, no RAY_ADDRESS, no Ray that `ray start` left on this
+machine) starts one here. Starting it is most of a run's start-up (7 of 10 s on a 2-core
+VM, against 1 s to connect to a running one), so by default the first run leaves it up
+and the next runs join it: a keeper process (`python -m raytrainer.driver.localray`, a
+session of its own) starts it and holds it, and stops it once no run has used it for
+RAYTRAINER_KEEP_RAY minutes (10), or at `raytrainer down`. RAYTRAINER_KEEP_RAY=0 starts
+a Ray for each run and stops it at the run's end, as a run joined to nothing did before
+(what CI and the test suite use).
+
+Only raytrainer finds the kept Ray: it lives in its own temp dir (state_dir: one per user,
+Python and Ray installation, since its workers run the keeper's interpreter), and nothing
+records it where Ray looks (`ray start` writes /tmp/ray/ray_current_cluster, which a
+plain ray.init() joins; ray.init(address="local") always starts a new one).
+
+A run uses the kept Ray alone: it holds users.lock (flock) for as long as it is connected,
+and a run that finds it held starts a Ray of its own, as before, rather than share the
+cores with another run. The keeper checks the same lock to tell whether it is idle. The
+kept Ray's workers inherit the keeper's environment, so a run passes the variables it
+sets differently (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...) as the job's runtime_env
+env_vars; a variable the keeper has and the run unset stays set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import _internals
+
+RAY_SETTINGS = {
+    # Its workers at nice 0, not Ray's 15: the Ray exists for the run's workers, and at
+    # nice 15 every other process on a busy machine (the driver, Ray's own daemons,
+    # anything else) takes their cores first, while a step waits for its slowest rank.
+    "RAY_worker_niceness": "0",
+    # No task events (`ray list tasks`, the timeline: nothing raytrainer reads, and no
+    # dashboard runs): every control call to a worker made some, kept by the GCS.
+    "RAY_task_events_report_interval_ms": "0",
+    # No metrics recorded and exported every 10 s by each process, gathered by the
+    # dashboard agent every 5 s (nothing scrapes them: no dashboard, no Prometheus).
+    "RAY_enable_metrics_collection": "0",
+    # No timing of every handler of every event loop (Ray's debug stats).
+    "RAY_event_stats": "0",
+}
+"""What a Ray that raytrainer starts runs with (read from the environment by the processes
+it starts); a variable already set in the environment wins. A cluster started with `ray
+start` runs with what it was started with: the same variables, set for `ray start`."""
+
+KEEP_ENV = "RAYTRAINER_KEEP_RAY"
+DIR_ENV = "RAYTRAINER_RAY_DIR"
+DEFAULT_KEEP_MINUTES = 10.0
+START_TIMEOUT_S = 120.0
+_NOISE = ("PWD", "OLDPWD", "SHLVL", "_")
+"""Variables that differ from shell to shell and mean nothing to a worker."""
+
+
+def keep_minutes() -> float:
+    """RAYTRAINER_KEEP_RAY: the idle minutes after which a kept Ray stops; 0: keep none
+    (and none is kept off Linux: the keeper is found through /proc)."""
+    text = os.environ.get(KEEP_ENV, "").strip()
+    if not sys.platform.startswith("linux"):
+        return 0.0
+    if not text:
+        return DEFAULT_KEEP_MINUTES
+    try:
+        value = float(text)
+    except ValueError:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{KEEP_ENV}={text!r} must be a number of minutes (0: stop the local Ray at the end "
+                          "of each run)") from None
+    return max(0.0, value)
+
+
+def state_dir() -> Path:
+    """Where the kept Ray lives (RAYTRAINER_RAY_DIR, else one directory under the system temp
+    dir per user and installation; short: Ray's sockets go under it)."""
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    import ray
+
+    digest = hashlib.sha256(f"{sys.executable}\0{ray.__version__}\0{Path(__file__).resolve()}".encode())
+    return Path(tempfile.gettempdir()) / f"raytrainer-{os.getuid()}-{digest.hexdigest()[:8]}"
+
+
+@contextlib.contextmanager
+def settings() -> Iterator[None]:
+    """RAY_SETTINGS in this process's environment (for the processes ray.init starts), and
+    the environment as it was after."""
+    added = {k: v for k, v in RAY_SETTINGS.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+# ---------------------------------------------------------------------------- the driver's side
+
+@dataclass
+class _Hold:
+    address: str
+    lock: Any  # users.lock, open and flock'ed: released with it
+    started: bool  # this run started the keeper
+    auth_mode: str | None  # RAY_AUTH_MODE of the kept Ray
+
+
+_held: _Hold | None = None
+_started_here = False  # this process is connected to a Ray that raytrainer started on this machine
+connected: str | None = None
+"""How this process last connected (connect): "kept, started", "kept, joined", or None."""
+
+
+def connect(address: str | None = None, **options: Any) -> None:
+    """Connect as ray.init() does: `address` or RAY_ADDRESS name a cluster; otherwise a Ray
+    that `ray start` left on this machine is joined; otherwise the kept local Ray (started
+    now if none is up), unless RAYTRAINER_KEEP_RAY=0, another run is using it, or `options`
+    configure a Ray of its own (num_cpus, ...): then a local Ray for this run. A Ray started
+    here runs with RAY_SETTINGS."""
+    import ray
+
+    global _started_here, connected
+    connected = None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None and not options and keep_minutes() > 0 and _internals.bootstrap_address() is None:
+        held = _hold_kept()
+        if held is not None:
+            if held.auth_mode == "token":
+                _internals.enable_token_auth()
+            env = _env_diff(state_dir())
+            try:
+                ray.init(address=held.address, logging_level="WARNING",
+                         runtime_env={"env_vars": env} if env else None)
+            except Exception as exc:  # noqa: BLE001 - its Ray is broken: this run starts its own
+                release()
+                print(f"raytrainer: warning: could not join the local Ray kept at {held.address} "
+                      f"({type(exc).__name__}: {exc}); `raytrainer down` stops it. Starting a Ray for this run.",
+                      file=sys.stderr)
+                return _start_for_this_run(address, options)
+            _started_here = True
+            connected = "kept, started" if held.started else "kept, joined"
+            if held.started:
+                print(f"raytrainer: started a local Ray, kept for the next runs: it stops after "
+                      f"{keep_minutes():g} idle minutes, or at `raytrainer down` ({KEEP_ENV}=0: a Ray per run)",
+                      file=sys.stderr)
+            return
+    _start_for_this_run(address, options)
+
+
+def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
+    import ray
+
+    with settings():
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
+
+
+def started_here() -> bool:
+    """Whether this process is connected to a Ray started on this machine for it (by
+    ray.init, here or in the caller's code) or kept by raytrainer: one node, no autoscaler
+    to add any."""
+    return _started_here or _internals.started_local_ray()
+
+
+def release() -> None:
+    """Let the kept Ray go (at the end of a run, once disconnected): it may stop when idle,
+    and another run may use it."""
+    global _held, _started_here
+    if _held is not None:
+        _held.lock.close()
+        _held = None
+    _started_here = False
+
+
+def _hold_kept() -> _Hold | None:
+    """Hold the kept Ray for this run, starting it if none is up; None if another run holds
+    it, or it could not be started (then this run starts its own)."""
+    global _held
+    if _held is not None:
+        return _held
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = _lock(folder / "users.lock", tries=10)
+    if lock is None:
+        return None
+    info = _keeper(folder)
+    started = info is None
+    if started:
+        info = _start_keeper(folder, keep_minutes())
+        if info is None:
+            lock.close()
+            return None
+    _held = _Hold(info["address"], lock, started, info.get("auth_mode"))
+    return _held
+
+
+def _lock(path: Path, tries: int = 1) -> Any:
+    """The file at `path`, open and exclusively flock'ed, or None if another process holds
+    it (`tries` attempts 20 ms apart: the keeper holds it for a moment when it looks)."""
+    import fcntl
+
+    f = open(path, "a")
+    for attempt in range(tries):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except BlockingIOError:
+            if attempt + 1 < tries:
+                time.sleep(0.02)
+    f.close()
+    return None
+
+
+def _keeper(folder: Path) -> dict[str, Any] | None:
+    """keeper.json, if its keeper is alive."""
+    try:
+        info = json.loads((folder / "keeper.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if _is_keeper(info.get("pid"), folder) else None
+
+
+def _is_keeper(pid: Any, folder: Path) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, TypeError):
+        return False
+    return b"raytrainer.driver.localray" in cmdline and str(folder).encode() in cmdline
+
+
+def _start_keeper(folder: Path, minutes: float) -> dict[str, Any] | None:
+    import subprocess
+
+    (folder / "keeper.json").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({k: v for k, v in RAY_SETTINGS.items() if k not in env})
+    with open(folder / "keeper.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from raytrainer.driver.localray import keep; "
+                                 "keep(sys.argv[1], float(sys.argv[2]))", str(folder), str(minutes * 60)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # not stopped with this run's process group
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        info = _keeper(folder)
+        if info is not None:
+            return info
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    tail = (folder / "keeper.log").read_text(errors="replace")[-2000:]
+    print(f"raytrainer: warning: could not start the kept local Ray (see {folder / 'keeper.log'}); starting "
+          f"one for this run:\n{tail}", file=sys.stderr)
+    return None
+
+
+def _fingerprint(env: dict[str, str]) -> dict[str, str]:
+    return {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in env.items()}
+
+
+def _env_diff(folder: Path) -> dict[str, str]:
+    """The variables of this process's environment that the keeper's (its workers') lacks or
+    has otherwise (compared by digest: the keeper records no values)."""
+    info = _keeper(folder) or {}
+    theirs = info.get("env", {})
+    mine = _fingerprint(os.environ)
+    return {k: os.environ[k] for k, digest in mine.items()
+            if theirs.get(k) != digest and k not in _NOISE and k != "RAY_ADDRESS"}
+
+
+def up(folder: Path | None = None, minutes: float | None = None) -> str:
+    """Start the kept local Ray now, if none is up (`raytrainer up`: the first run then
+    joins it too); its address. `folder`: its state_dir; `minutes`: its idle minutes
+    (RAYTRAINER_KEEP_RAY)."""
+    minutes = keep_minutes() if minutes is None else minutes
+    if minutes <= 0:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{KEEP_ENV}=0 (or not Linux): each run starts a Ray of its own and none is kept; "
+                          "unset it (or set the idle minutes after which the kept Ray stops)")
+    folder = folder or state_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = _keeper(folder) or _start_keeper(folder, minutes)
+    if info is None:
+        from ..errors import RaytrainerError
+
+        raise RaytrainerError(f"could not start a local Ray (see {folder / 'keeper.log'})")
+    return info["address"]
+
+
+def down(folder: Path | None = None, timeout_s: float = 30.0) -> str:
+    """Stop the kept local Ray (its keeper, and with it every process of that Ray)."""
+    folder = folder or state_dir()
+    info = _keeper(folder)
+    if info is None:
+        return "no local Ray kept by raytrainer is running"
+    pid = info["pid"]
+    for sig, grace in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while _is_keeper(pid, folder) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _is_keeper(pid, folder):
+            break
+    (folder / "keeper.json").unlink(missing_ok=True)
+    return f"stopped the local Ray raytrainer kept ({info['address']}, {folder})"
+
+
+# ---------------------------------------------------------------------------- the keeper
+
+def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
+    """The keeper process: start a local Ray under `folder`, record its address, and stop it
+    once no run has held users.lock for `idle_s` seconds, or on SIGTERM."""
+    import threading
+
+    import ray
+
+    folder = Path(folder)
+    mine = _lock(folder / "keeper.lock")
+    if mine is None:
+        return  # another keeper of this folder is starting or up
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with settings():
+        ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False, logging_level="WARNING",
+                 log_to_driver=False)
+    try:
+        # Ray turns token authentication on for a local Ray where a token exists (setting
+        # RAY_AUTH_MODE here): a run connecting must then present it too.
+        info = {"pid": os.getpid(), "address": ray.get_runtime_context().gcs_address, "started": time.time(),
+                "auth_mode": os.environ.get("RAY_AUTH_MODE"), "env": _fingerprint(os.environ)}
+        tmp = folder / "keeper.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, folder / "keeper.json")
+        idle_since = time.monotonic()  # until the run that started it connects
+        while not stop.wait(check_s):
+            free = _lock(folder / "users.lock")
+            if free is None:
+                idle_since = None
+                continue
+            free.close()
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= idle_s:
+                break
+    finally:
+        (folder / "keeper.json").unlink(missing_ok=True)
+        ray.shutdown()
+
+
