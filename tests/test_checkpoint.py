@@ -302,6 +302,13 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0, 0]
     driver.send_signal(signal.SIGKILL)
     driver.wait()
+    # Its workers go with its Ray (Ray's fate-sharing), but not at once on a loaded machine:
+    # one still training would go on committing checkpoints and pruning older ones under
+    # the resume's feet. A user resumes a dead run; wait until it is one, and none is left.
+    deadline = time.monotonic() + 60
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive == [], f"the killed driver's workers {alive} outlived it by 60 s"
     assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run
 
     proc = subprocess.run([sys.executable, "-m", "raytrainer", "resume", str(tmp_path / "killed"),
@@ -311,3 +318,12 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     assert [e["event"] for e in log].count("resumed") == 1
     a, b = weights(reference.run_dir), weights(tmp_path / "killed")
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the undisturbed run"
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
