@@ -48,9 +48,20 @@ class Run:
             time.sleep(0.05)
         raise AssertionError(f"step {step} not reached within {timeout:g} s")
 
+    def rows(self) -> list[dict]:
+        return _read(self.run_dir / "metrics.jsonl")
+
+    def wait_for(self, ready, what: str, timeout: float = 120.0) -> None:
+        """Until `ready()` is true."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert time.monotonic() < deadline, what
+            assert self._thread.is_alive(), f"the run ended first: {what}"
+            time.sleep(0.1)
+
     def pids(self) -> list[int]:
-        """The workers' process ids by rank, as of the newest group_formed or recovered event
-        ([] before the group formed)."""
+        """The workers' process ids by rank, as of the newest group_formed, recovered or
+        resized event ([] before the group formed)."""
         return next((e["pids"] for e in reversed(self.events()) if "pids" in e), [])
 
 

@@ -488,7 +488,8 @@ class Controller:
     def _log_resize(self, old_world: int, reformed: Reformed, seconds: float, cause: str) -> None:
         """`seconds`: the pause of training, from the workers stopping to them going on."""
         self.events.log("resized", step=reformed.step, old_world_size=old_world, new_world_size=self.world,
-                        seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped)
+                        seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped,
+                        pids=[n.pid for n in reformed.nodes])
 
     def _hung(self, exclude: set[int] = frozenset()) -> bool:
         """Check, about once a second, for workers that made no progress within
