@@ -682,6 +682,8 @@ def _join(prefix: str, name: str) -> str:
 
 def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
     """Apply `section.key=value` strings (values parsed as YAML) to a raw config dict."""
+    overrides = list(overrides)
+    _num_workers_sets_the_size(raw, overrides)
     for item in overrides:
         path, sep, text = item.partition("=")
         if not sep or not path.strip():
@@ -699,6 +701,29 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dic
             node = child
         node[parts[-1]] = value
     return raw
+
+
+def _num_workers_sets_the_size(raw: dict[str, Any], overrides: list[str]) -> None:
+    """`--set scaling.num_workers=N` alone makes a fixed-size config N workers: its
+    min_workers and max_workers follow, as they would had they been left out. A run's
+    config.yaml holds them resolved from its num_workers (`raytrainer resume RUN --set
+    scaling.num_workers=1` of a 2-worker run trained on 2, silently). An elastic config
+    (bounds other than its num_workers) says nothing that N could replace: an error."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    if "scaling.num_workers" not in keys or keys & {"scaling.min_workers", "scaling.max_workers"}:
+        return
+    scaling = raw.get("scaling")
+    if not isinstance(scaling, dict):
+        return
+    size = scaling.get("num_workers", 1)
+    bounds = {k: scaling[k] for k in ("min_workers", "max_workers") if scaling.get(k) is not None}
+    if any(v != size for v in bounds.values()):
+        raise ConfigError(
+            f"--set scaling.num_workers does not resize this config: it is elastic ("
+            + ", ".join(f"scaling.{k}={v}" for k, v in bounds.items())
+            + "); set scaling.min_workers and scaling.max_workers instead")
+    for key in bounds:
+        del scaling[key]
 
 
 def load_config(source: str | Path | dict[str, Any], overrides: typing.Iterable[str] = ()) -> Config:

@@ -265,6 +265,19 @@ def test_resume_with_another_world_size_repeats_and_skips_no_sample(ray_local, t
     assert_no_leaks()
 
 
+def test_cli_resume_at_another_size_trains_on_that_many_workers(ray_local, tmp_path):
+    """`raytrainer resume RUN --set scaling.num_workers=1` of a 2-worker run: its config.yaml
+    holds min_workers and max_workers resolved from num_workers, and they follow it."""
+    from raytrainer.driver.cli import main
+
+    raytrainer.train(config(tmp_path, "resize", trainer={"max_steps": 3, "log_every_n_steps": 1}), progress=False)
+    assert main(["resume", str(tmp_path / "resize"), "--no-progress", "--set", "scaling.num_workers=1",
+                 "--set", "trainer.max_steps=5"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "resize" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["world_size"]) for r in rows if "loss" in r] == [(1, 2), (2, 2), (3, 2), (4, 1), (5, 1)]
+    assert_no_leaks()
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(ray_local, tmp_path):
     raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 6}), progress=False)
     newest = tmp_path / "corrupt" / "checkpoints" / "step-00000006" / "state.pt"

@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from raytrainer.config import load_config
+from raytrainer.config import dump_config, load_config
 from raytrainer.errors import ConfigError
 
 BASE = {
@@ -86,6 +86,18 @@ def test_worker_count_bounds_default_to_num_workers():
     # per_worker keeps each worker's batch of 1: the global batch grows with the workers.
     assert load_config(BASE, ["trainer.global_batch_size=2", "scaling.max_workers=3",
                               "trainer.batch_policy=per_worker"])
+
+
+def test_num_workers_set_alone_resizes_a_resolved_fixed_size_config():
+    # A run's config.yaml holds the bounds resolved from num_workers: they follow an override.
+    resolved = dump_config(load_config(BASE))
+    raw = yaml.safe_load(resolved)
+    assert load_config(raw, ["scaling.num_workers=1"]).scaling.max_workers == 1
+    both = load_config(raw, ["scaling.num_workers=3", "scaling.max_workers=4"]).scaling
+    assert (both.min_workers, both.max_workers) == (2, 4)  # bounds given with it stand
+    elastic = load_config(BASE, ["scaling.max_workers=3"]).to_dict()
+    with pytest.raises(ConfigError, match="elastic .*scaling.max_workers=3.*set scaling.min_workers"):
+        load_config(elastic, ["scaling.num_workers=1"])
 
 
 def test_missing_file_and_missing_section(tmp_path):
