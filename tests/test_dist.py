@@ -5,6 +5,7 @@ import multiprocessing as mp
 import socket
 import subprocess
 import sys
+import time
 
 from raytrainer.worker import dist
 
@@ -87,3 +88,46 @@ def test_a_rank_0_that_hosted_no_store_hosts_it_as_it_joins():
         assert results.get(timeout=60) == 1.0
     finally:
         p.join(timeout=10)
+
+
+def _aborts_at(rank, world, ports, results, abort_at):
+    """Sum small tensors over and over; rank 1, before its collective number `abort_at`,
+    has its group aborted (the driver's call while a worker is blocked) and stops there."""
+    import torch
+
+    try:
+        if rank == 0:
+            port = dist.host_store("127.0.0.1", 60)
+            for _ in range(world - 1):
+                ports.put(port)
+        else:
+            port = ports.get(timeout=60)
+        dist.init_group(rank, world, "127.0.0.1", port, "gloo", 60)
+        tensor = torch.ones(16)
+        for i in range(10**6):
+            if rank == 1 and i == abort_at:
+                results.put((rank, dist.abort_group()))
+                time.sleep(60)  # alive and holding its group, as a stopped survivor is
+            dist.all_reduce_sum(tensor)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        dist.leave_group(failed=True)  # as a worker does when a peer failed under it
+        results.put((rank, str(exc)))
+
+
+def test_aborting_a_gloo_group_fails_every_peer_waiting_in_a_collective_now():
+    # Gloo's own abort() does not unblock a peer waiting on this process: its connections are
+    # shut down instead, the peers' collectives fail, and each peer that fails closes its own
+    # (dist.leave_group), so all fail at once, not at the collective timeout (60 s here):
+    # rank 3 never talks to rank 1 in this ring.
+    ctx = mp.get_context("fork")
+    ports, results, world = ctx.Queue(), ctx.Queue(), 4
+    procs = [ctx.Process(target=_aborts_at, args=(r, world, ports, results, 50), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=50) for _ in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert got.pop(1) is True
+    assert all("Connection closed" in why or "Connection reset" in why for why in got.values()), got

@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint import Storage
 from . import _internals
+from .dist import new_gloo_group
 
 PLAIN = "plain.pt"  # the values of `state` that hold no tensor, written by rank 0
 DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) after every rank's shards
@@ -526,7 +527,7 @@ class AsyncShardedSaver:
 
     def __init__(self, process_group=None):
         self.group = process_group if process_group is not None else (
-            dist.new_group(backend="gloo") if dist.is_initialized() else None)
+            new_gloo_group() if dist.is_initialized() else None)
         self.pending: Future | None = None
 
     def save(self, state: dict[str, Any], storage: Storage, rel_dir: str, thread_count: int = 1) -> Future:

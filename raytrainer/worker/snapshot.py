@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..checkpoint import to_cpu
 from ..contract import Holdings, Snapshot
 from ..errors import ConfigError
+from .dist import new_gloo_group
 
 
 class PeerSnapshots:
@@ -63,7 +64,7 @@ class PeerSnapshots:
         with self._lock:
             self._gen += 1
         self.rank, self.world = rank, world_size
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
+        self._group = new_gloo_group() if dist.is_initialized() and world_size > 1 else None
         self._thread, self._error, self._taken = None, None, None
 
     def due(self, step: int) -> bool:
