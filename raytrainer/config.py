@@ -353,12 +353,25 @@ class FailureConfig:
     fails. Detection of a lost or hung peer does not wait for it (the driver sees a death
     at once and a hang after step_timeout_s); it bounds what nothing else catches. Keep it
     above the longest wait ranks have for rank 0 alone (a synchronous checkpoint write)."""
-    warm_spare: bool = True
-    """Keep one idle worker process ready (torch and torch._dynamo imported, no resources
-    held) to replace a lost CPU worker without a cold start (a process start and torch
-    import: seconds on a small machine). It is started once training runs, not beside the
-    workers' start, and again once a recovered group has formed. Measured on a 2-core VM
-    (`raytrainer bench --scenarios kill`): 0.14 to 0.20 s from a SIGKILL to the next step."""
+    recovery: Literal["fast", "exact"] = "fast"
+    """What the survivors do when a lost worker has no warm spare up to take its place.
+    fast: go on at once without it, one world size smaller, while its replacement starts;
+    it joins at a step boundary once up (a pause of a fraction of a second, as any grow).
+    The global batch and the sample order stay the same at any world size, so nothing is
+    lost, but the run ends within float tolerance of an undisturbed one, not bit for bit.
+    Below scaling.min_workers only while the replacements come (up to
+    scaling.placement_timeout_s, then the run fails as when they cannot be placed). exact:
+    wait for the replacement (a process start and torch import: seconds), keeping the world
+    size, so a run with failures ends bit-identical to an undisturbed one. Either way a
+    ready warm spare takes the lost worker's place at once, bit-identically; sharded state
+    (fsdp) and a fixed-size run with trainer.batch_policy per_worker always wait."""
+    warm_spares: int = 1
+    """Idle worker processes kept ready (torch and torch._dynamo imported, no resources
+    held) to take a lost CPU worker's place at once, keeping the world size (a GPU worker
+    needs its GPU at creation: none for GPU runs). Spread over the nodes the workers run
+    on (a spare replaces a worker of its own node); started once training runs, and again
+    after one is used, once no replacement is starting, so their start does not take the
+    cores a recovery needs. Each is a process holding torch in memory. 0: none."""
     snapshot_every_n_steps: int = 10
     """Sharded state (trainer.strategy: fsdp): every this many optimizer steps each worker
     copies its shards of the training state to host memory and to one peer's, so that a
@@ -375,6 +388,8 @@ class FailureConfig:
                               "(0: no peer snapshots)")
         if self.max_failures < 0:
             raise ConfigError(f"failure.max_failures={self.max_failures} must be >= 0")
+        if self.warm_spares < 0:
+            raise ConfigError(f"failure.warm_spares={self.warm_spares} must be >= 0 (0: none)")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ConfigError(f"failure.step_timeout_s={self.step_timeout_s} must be > 0 (or null)")
         if self.collective_timeout_s <= 0:

@@ -230,7 +230,14 @@ class FailingGroup(FakeGroup):
     def kill(self, rank):
         self.calls.append(("kill", rank))
 
-    def reform(self, dead):
+    spares = ()  # the lost ranks a ready warm spare can take (spares_ready)
+
+    def spares_ready(self, ranks):
+        return [r for r in ranks if r in self.spares]
+
+    def reform(self, dead, leave=(), regrow=()):
+        if regrow:
+            self.calls.append(("regrow", tuple(regrow)))
         return self._scripted("reform", dead)
 
     def _scripted(self, call, dead):
@@ -249,13 +256,80 @@ def interrupted(rank, step=1):
     return Failure(rank, "interrupted", "Connection closed by peer", step, "10.0.0.1")
 
 
-def recovering(tmp_path, group, max_failures, restore=None):
+def recovering(tmp_path, group, max_failures, restore=None, **settings):
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
-    settings = ControllerSettings(min_workers=2, poll_interval_s=0,
-                                  failure=FailureConfig(max_failures=max_failures, step_timeout_s=None))
+    failure = FailureConfig(max_failures=max_failures, step_timeout_s=None,
+                            recovery=settings.pop("recovery", "fast"))
+    settings = ControllerSettings(min_workers=2, poll_interval_s=0, failure=failure, **settings)
     controller = Controller(group, settings, Records(hub=hub, events=events), restore=restore)
     return controller, events
+
+
+class RegrowingGroup(FailingGroup):
+    """A group whose lost workers' replacements come up after the re-form, ready to join."""
+
+    def __init__(self, polls, reforms, spares=()):
+        super().__init__(polls, reforms)
+        self.spares = spares
+
+    def joinable(self):
+        self.calls.append(("joinable",))
+        return 1
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+
+def test_a_lost_worker_with_no_spare_up_is_left_behind_and_its_replacement_joins_once_up(tmp_path):
+    paused = RunEnd("paused", 3, time=0.0)
+    shrunk = Reformed(step=1, nodes=NODES[:1], source=0, dropped=[1])
+    grown = Reformed(step=3, nodes=NODES, source=0, added=1)
+    group = RegrowingGroup([Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)]),
+                            Poll(rows(2, 3)), Poll(paused={0: paused}), Poll(rows(4), done=True, result=WEIGHTS)],
+                           [shrunk, grown])
+    controller, events = recovering(tmp_path, group, max_failures=1, grow_check_s=0)
+    assert controller.run() == WEIGHTS
+    events.close()
+    # Not waited for: the survivor goes on alone, the group told to start rank 1's replacement;
+    # once it is up the workers pause and the group grows back.
+    calls = [c for c in group.calls if c[0] in ("regrow", "reform", "joinable", "pause", "launch")]
+    assert calls == [("launch",), ("regrow", (1,)), ("reform", (1,)), ("launch",), ("joinable",), ("pause",),
+                     ("reform", ()), ("launch",)]
+    log = read(tmp_path / "events.jsonl")
+    recovered = next(e for e in log if e["event"] == "recovered")
+    assert recovered["dropped"] == [1] and recovered["spares"] == [] and recovered["steps_lost"] == 0
+    assert [(e["old_world_size"], e["new_world_size"], e["cause"]) for e in log if e["event"] == "resized"] == [
+        (2, 1, "failure: rank 1 died"), (1, 2, "lost workers replaced")]
+
+
+def test_a_ready_spare_or_exactness_keeps_the_world_size(tmp_path):
+    for name, spares, recovery in (("spare", (1,), "fast"), ("exact", (), "exact")):
+        same = Reformed(step=1, nodes=NODES, source=0, replaced=[1])
+        group = RegrowingGroup([Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)]),
+                                Poll(rows(2, 3), done=True, result=WEIGHTS)], [same], spares=spares)
+        (tmp_path / name).mkdir()
+        controller, events = recovering(tmp_path / name, group, max_failures=1, recovery=recovery)
+        assert controller.run() == WEIGHTS
+        events.close()
+        assert ("reform", (1,)) in group.calls and not [c for c in group.calls if c[0] in ("regrow", "joinable")]
+        log = read(tmp_path / name / "events.jsonl")
+        assert not [e for e in log if e["event"] == "resized"]
+        assert next(e for e in log if e["event"] == "recovered")["spares"] == list(spares)
+
+
+def test_a_run_left_below_min_workers_fails_once_its_replacements_are_overdue(tmp_path):
+    from raytrainer.errors import PlacementError
+
+    shrunk = Reformed(step=1, nodes=NODES[:1], source=0, dropped=[1])
+    group = RegrowingGroup([Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)]),
+                            Poll(rows(2))], [shrunk])
+    group.joinable = lambda: 0  # the replacement never comes up
+    controller, events = recovering(tmp_path, group, max_failures=1, placement_timeout_s=0)
+    with pytest.raises(PlacementError, match="fewer than scaling.min_workers=2.*placement_timeout_s=0"):
+        controller.run()
+    events.close()
+    assert read(tmp_path / "events.jsonl")[-1]["event"] == "failed" and group.calls[-1] == ("shutdown",)
 
 
 def test_a_failure_while_reforming_is_one_more_counted_failure_and_recovery_starts_over(tmp_path):

@@ -13,8 +13,8 @@ import torch
 import raytrainer
 from raytrainer.contract import Status
 from raytrainer.errors import ConfigError, TaskError, WorkerError
-from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, blame, choose_source,
-                               choose_state, keep_waiting_for_placement)
+from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, Replacing, blame, choose_source,
+                                      choose_state, keep_waiting_for_placement, replacing)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
 from .faults import kill
@@ -253,6 +253,25 @@ def test_a_state_kept_from_an_earlier_attempt_serves_unless_a_survivor_is_furthe
     assert choose_state({0: at5}, at6) == (None, False)  # its giver is gone: the kept copy
     assert choose_state({0: at6}, at5) == (0, True)
     assert choose_state({}, at5) == (None, False) and choose_state({}, None) == (None, False)
+
+
+def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
+    def plan(lost, spares=(), world=3, **kw):
+        kw = {"replicated": True, "exact": False, "global_batch_fixed": True, "elastic": False, **kw}
+        return replacing(lost, spares_ready=spares, world=world, **kw)
+
+    assert plan([1], spares=[1]) == Replacing(spares=(1,), reason="warm spares take every lost rank")
+    mixed = plan([2, 0], spares=[2])  # two lost close together, one spare up
+    assert (mixed.spares, mixed.wait, mixed.regrow) == ((2,), (), (0,))
+    assert plan([0, 1]).regrow == (0, 1)  # one survivor is enough: below min_workers for a while
+    # Waited for, at the same world size: sharded state, exactness asked for, a per-worker
+    # batch that a fixed-size run would shrink, no survivor at all.
+    assert plan([1], replicated=False).wait == (1,) and "snapshots" in plan([1], replicated=False).reason
+    assert plan([1, 2], spares=[1], exact=True) == Replacing(spares=(1,), wait=(2,),
+                                                              reason="failure.recovery is exact")
+    assert plan([1], global_batch_fixed=False).wait == (1,)
+    assert plan([1], global_batch_fixed=False, elastic=True).regrow == (1,)  # elastic: it resizes anyway
+    assert plan([0, 1, 2]).wait == (0, 1, 2)
 
 
 def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold():

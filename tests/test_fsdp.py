@@ -28,7 +28,7 @@ def config(tmp_path, name, workers=2, strategy="fsdp", chaos=(), resume="auto", 
         "checkpoint": {"every_n_steps": 3, "keep_last": 5, "async": async_save},
         # No warm spare: a sharded run restarts every worker, and the idle process would only
         # compete for the two cores while the runs start.
-        "failure": {"chaos": list(chaos), "max_failures": 2, "warm_spare": False},
+        "failure": {"chaos": list(chaos), "max_failures": 2, "warm_spares": 0},
         "run": {"name": name, "storage": str(tmp_path), "resume": resume},
     }
 

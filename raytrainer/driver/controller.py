@@ -14,7 +14,10 @@ whatever happened.
 
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
-its state to the others, and training goes on. Only when no worker survived does
+its state to the others, and training goes on. It never waits for a process to
+start where the maths allow (policy.replacing): a lost worker is replaced by a warm
+spare that is up, else the survivors go on without it at once, while its replacement
+starts, and take it in at a step boundary once it is up (a resize). Only when no worker survived does
 a checkpoint from storage (`restore`) take their place. When the state is sharded
 (the strategy says so when the group forms), a lost worker's shards exist on no
 survivor: the group goes back to the newest peer snapshot (each worker keeps its own
@@ -52,9 +55,9 @@ from typing import Any, Callable
 from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, RaytrainerError, WorkerError
+from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, WorkerError
 from .metrics import EventLog, MetricsHub
-from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, root_causes
+from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
 
 
 class State(enum.Enum):
@@ -77,6 +80,11 @@ class ControllerSettings:
     failure: FailureConfig = field(default_factory=lambda: FailureConfig(max_failures=0, step_timeout_s=None))
     replace_timeout_s: float = 10.0
     """scaling.replace_timeout_s: how long a drain waits for replacements."""
+    placement_timeout_s: float = 60.0
+    """scaling.placement_timeout_s: how long a run that went on below min_workers after a
+    failure (failure.recovery: fast) waits for its replacements to be up before it fails."""
+    per_worker_batch: bool = False
+    """trainer.batch_policy is per_worker: the global batch changes with the world size."""
     poll_interval_s: float = 0.2
     """How long a poll waits for a worker's run() to end while the group forms or recovers."""
     max_poll_s: float = 1.0
@@ -91,7 +99,8 @@ class ControllerSettings:
     def of(cls, config: Config) -> ControllerSettings:
         scaling = config.scaling
         return cls(min_workers=scaling.min_workers, max_workers=scaling.max_workers, failure=config.failure,
-                   replace_timeout_s=scaling.replace_timeout_s)
+                   replace_timeout_s=scaling.replace_timeout_s, placement_timeout_s=scaling.placement_timeout_s,
+                   per_worker_batch=config.trainer.batch_policy == "per_worker")
 
 
 @dataclass(kw_only=True)
@@ -125,6 +134,10 @@ class Controller:
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
         self.replace_timeout_s = settings.replace_timeout_s
+        self.placement_timeout_s = settings.placement_timeout_s
+        self.per_worker_batch = settings.per_worker_batch
+        self._short_since: float | None = None  # since when the run trains below min_workers
+        self._regrowing = 0  # ranks left behind by a fast recovery, whose replacements are coming
         self.drain_check_s = settings.drain_check_s
         self._drain_at = -math.inf  # due at once
         self._noticed: dict[str, float] = {}  # draining node id -> when we first saw it
@@ -167,6 +180,7 @@ class Controller:
                 elif len(self._paused) == self.world:
                     self._resize()
                 else:
+                    self._check_short()
                     self._watch_drains()
                     self._look_for_room()
             self.callbacks("on_epoch_end", self.ctx)
@@ -188,6 +202,8 @@ class Controller:
         nodes = self._nodes = self.group.start()
         self.world = len(nodes)
         self._paused, self._pause_asked, self._leaving = {}, None, {}
+        self._regrowing = 0
+        self._note_size()
         if check_storage:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
@@ -274,9 +290,14 @@ class Controller:
                 raise decision.error or RaytrainerError(decision.reason)
             try:
                 if self._replicated:
-                    reformed = self._reform(lost)
+                    plan = replacing(lost, spares_ready=self.group.spares_ready(lost), world=self.world,
+                                     replicated=True, exact=self.failure.recovery == "exact",
+                                     global_batch_fixed=not self.per_worker_batch,
+                                     elastic=self.max_workers > self.num_workers)
+                    reformed = self._reform(lost, regrow=list(plan.regrow))
                     how = {"source_rank": reformed.source, "state_from": reformed.state_from,
-                           "resynced": reformed.resynced}
+                           "resynced": reformed.resynced, "spares": list(plan.spares),
+                           "dropped": reformed.dropped, "replacing": plan.reason}
                 elif self.failure.snapshot_every_n_steps:
                     reformed = self._reform(lost, peers=True)
                     how = {"state_from": "peers", "snapshot_step": reformed.snapshot_step,
@@ -306,6 +327,8 @@ class Controller:
                         failures=self.policy.failures, attempts=attempts, cause=decision.reason, **how)
         if self.world != old_world and reformed is not None:
             self._log_resize(old_world, reformed, seconds, f"failure: {decision.reason}")
+            self._regrowing += len(reformed.dropped)
+        self._note_size()
         self.state = State.RUNNING
 
     def _settle(self, failures: list[Failure]) -> tuple[dict[int, Failure], dict[int, Any], set[int]]:
@@ -415,7 +438,11 @@ class Controller:
                                                  if drain["deadline"] else None),
                             steps_lost=0, reason=drain["reason"], pids=[n.pid for n in reformed.nodes])
         if self.world != old_world or not leaving:  # replacements in the leavers' places: no resize
-            self._log_resize(old_world, reformed, seconds, "preemption" if leaving else "room to grow")
+            cause = ("preemption" if leaving else "lost workers replaced" if self._regrowing and reformed.added
+                     else "room to grow")
+            self._log_resize(old_world, reformed, seconds, cause)
+        self._regrowing = max(0, self._regrowing - reformed.added)
+        self._note_size()
         self.state = State.RUNNING
 
     def _restart(self, leave: list[int] = ()) -> Reformed:
@@ -430,9 +457,11 @@ class Controller:
                         added=max(0, self.world - old_world), dropped=list(range(self.world, old_world)),
                         moved=[r for r in leave if r < self.world])
 
-    def _reform(self, dead: list[int], leave: list[int] = (), peers: bool = False) -> Reformed:
+    def _reform(self, dead: list[int], leave: list[int] = (), peers: bool = False, regrow: list[int] = ()) -> Reformed:
         if peers:
             reformed = self.group.reform_from_peers(dead)
+        elif regrow:
+            reformed = self.group.reform(dead, leave, regrow=regrow)
         else:
             reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
         self.world, self._nodes = reformed.world_size, reformed.nodes
@@ -440,6 +469,25 @@ class Controller:
         self.group.launch()
         self._reset_progress()
         return reformed
+
+    def _note_size(self) -> None:
+        """Start (or stop) the clock of a run below min_workers."""
+        if self.world >= self.num_workers:
+            self._short_since = None
+        elif self._short_since is None:
+            self._short_since = time.monotonic()
+
+    def _check_short(self) -> None:
+        """A run that went on below min_workers after a failure (failure.recovery: fast) waits
+        for its replacements up to scaling.placement_timeout_s, as a recovery that waits for
+        them does, then fails: a fixed-size run keeps its world size."""
+        if self._short_since is None or time.monotonic() - self._short_since < self.placement_timeout_s:
+            return
+        raise PlacementError(
+            f"only {self.world} workers for {time.monotonic() - self._short_since:.0f} s, fewer than "
+            f"scaling.min_workers={self.num_workers}: the lost workers' replacements were not placed and "
+            f"up within scaling.placement_timeout_s={self.placement_timeout_s:g}. Add nodes, or lower "
+            "scaling.min_workers (or num_workers)")
 
     def _watch_drains(self) -> None:
         """About once every drain_check_s: find the workers on nodes being drained; start

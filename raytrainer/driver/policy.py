@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from ..contract import Failure, Holdings, Status
 from ..errors import RaytrainerError, WorkerError
 
-__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "blame",
+__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing", "blame",
            "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
-           "leave_draining_nodes", "poll_wait", "root_causes"]
+           "leave_draining_nodes", "poll_wait", "replacing", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,55 @@ def choose_snapshot(world: int, lost: Iterable[int], held: dict[int, Holdings],
     if not common:
         return None, "no step has a snapshot of every rank's state left"
     return max(common), ""
+
+
+@dataclass(frozen=True)
+class Replacing:
+    """How one recovery attempt deals with each lost rank (policy.replacing)."""
+
+    spares: tuple[int, ...] = ()
+    """Taken over at once by a warm spare that is up: the world size is kept."""
+    wait: tuple[int, ...] = ()
+    """Waited for: training resumes once their replacements are up (a process start, or
+    a placement on a node with room), at the same world size."""
+    regrow: tuple[int, ...] = ()
+    """Left behind: the survivors go on at once without them, their replacements start
+    meanwhile and join at a step boundary once up (a resize, as when a node joins)."""
+    reason: str = ""
+
+
+def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, replicated: bool,
+              exact: bool, global_batch_fixed: bool, elastic: bool) -> Replacing:
+    """Never wait for a process to start where the maths allow it: a lost rank whose node
+    has a warm spare up is replaced by it (bit-identical, a fraction of a second); any other
+    is left behind, and the survivors go on at once, one world size smaller, while its
+    replacement starts (the same global batch and sample order at any world size, so no
+    sample and no step is lost; only the order of sums over ranks and the random streams
+    drawn per rank differ: the run ends within float tolerance of an undisturbed one).
+
+    Waited for instead: every lost rank of sharded state (a survivor holds its own shards
+    only: the group goes back to a peer snapshot at the same world size); every one when the
+    user asked for exactness (failure.recovery: exact); every one of a fixed-size run whose
+    batch is per worker (trainer.batch_policy: per_worker: its global batch, and its LR,
+    would change); and all of them when none would survive (a checkpoint is the way back).
+    `spares_ready`: the lost ranks a ready spare can take (one on the node of the rank's slot;
+    none for GPU workers, which need their GPU at creation)."""
+    lost = sorted(set(lost))
+    spares = tuple(r for r in lost if r in set(spares_ready))
+    rest = tuple(r for r in lost if r not in spares)
+    if not rest:
+        return Replacing(spares=spares, reason="warm spares take every lost rank")
+    why_wait = ("sharded state: peer snapshots restore the same world size" if not replicated
+                else "failure.recovery is exact" if exact
+                else "trainer.batch_policy is per_worker in a fixed-size run: a smaller world would train a "
+                     "smaller global batch" if not (global_batch_fixed or elastic)
+                else "no worker survived to go on with" if len(lost) >= world
+                else "")
+    if why_wait:
+        return Replacing(spares=spares, wait=rest, reason=why_wait)
+    return Replacing(spares=spares, regrow=rest,
+                     reason=f"no warm spare up for rank(s) {list(rest)}: going on without them while their "
+                            "replacements start")
 
 
 def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min_workers: int,

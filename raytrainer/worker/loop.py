@@ -78,12 +78,15 @@ class LoopSettings:
     the per_worker batch policy scales from); default the world size."""
     max_world_size: int | None = None
     """scaling.max_workers: what an elastic run may grow to."""
+    min_world_size: int | None = None
+    """scaling.min_workers: below it (while a lost worker's replacement starts) a worker's
+    micro-batch stays what it is at min_workers, and it accumulates more of them."""
 
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
         return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
                    chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
-                   max_world_size=config.scaling.max_workers)
+                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.min_workers)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +113,7 @@ class Loop:
         # scaling.num_workers: the world size global_batch_size and the LR are given for
         # (what the per_worker batch policy scales from).
         self.base_world_size = settings.base_world_size or world_size
+        self.min_world_size = settings.min_world_size or 1
         self._report = outlets.report
         self.notify = outlets.notify  # lifecycle events for the driver's log
         self.callbacks = outlets.callbacks
@@ -500,7 +504,9 @@ class Loop:
         batch = self.cfg.global_batch_size
         if self.cfg.batch_policy == "per_worker":
             batch = batch // self.base_world_size * world
-        micro = self.cfg.micro_batch_size or -(-batch // world)
+        # A run that went on without a lost worker (failure.recovery: fast) keeps the memory
+        # of a forward pass at min_workers: the survivors accumulate more micro-batches.
+        micro = self.cfg.micro_batch_size or -(-batch // max(world, self.min_world_size))
         return BatchPlan(dataset_size(self.train_data), batch, micro, world, self.cfg.seed,
                          overfit_batches=self.cfg.overfit_batches)
 
