@@ -734,7 +734,7 @@ def _num_workers_sets_the_size(raw: dict[str, Any], overrides: list[str]) -> Non
     bounds = {k: scaling[k] for k in ("min_workers", "max_workers") if scaling.get(k) is not None}
     if any(v != size for v in bounds.values()):
         raise ConfigError(
-            f"--set scaling.num_workers does not resize this config: it is elastic ("
+            "--set scaling.num_workers does not resize this config: it is elastic ("
             + ", ".join(f"scaling.{k}={v}" for k, v in bounds.items())
             + "); set scaling.min_workers and scaling.max_workers instead")
     for key in bounds:

@@ -1,8 +1,11 @@
 """Failures as a cluster produces them, injected from outside at any moment: two workers
 killed close together (the second while the first recovery is under way), a worker
 frozen with SIGSTOP, kills and freezes at random moments inside a step, a kill while a
-checkpoint is being written. Each run recovers in memory and ends bit-identical to an
-undisturbed one."""
+checkpoint is being written, a kill right after a recovery. With failure.recovery: exact
+each run recovers in memory at the same world size and ends bit-identical to an
+undisturbed one; with fast (the default), a lost worker with no warm spare up is left
+behind, the survivors go on at once and take its replacement in once it is up, and the
+run ends within float tolerance of an undisturbed one, nothing lost."""
 
 import threading
 import time
@@ -16,16 +19,18 @@ from .faults import Run, freeze, kill
 STEPS = 30
 
 
-def config(tmp_path, name, chaos=(), **args):
+def config(tmp_path, name, chaos=(), recovery="exact", **args):
     return {
-        # Dropout: a replaced rank must draw the random numbers the lost one would have.
-        "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.1, "sleep_s": 0.01, **args}},
+        # No dropout: a fast recovery resizes, and a rank's random stream is its own (that a
+        # replaced rank draws the numbers the lost one would have is test_fault_tolerance's).
+        "task": {"target": "tests.tasks:RegressionTask", "args": {"sleep_s": 0.01, **args}},
         "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
         "scaling": {"num_workers": 3},
         # collective_timeout_s bounds a rendezvous left waiting for a peer lost meanwhile
         # (once, in CI, a re-form of the double kill waited the default 600 s: not yet
         # explained; this keeps such a wait from holding the module's CPUs for minutes).
-        "failure": {"chaos": list(chaos), "step_timeout_s": 3, "max_failures": 6, "collective_timeout_s": 30},
+        "failure": {"chaos": list(chaos), "step_timeout_s": 3, "max_failures": 6, "collective_timeout_s": 30,
+                    "recovery": recovery},
         "run": {"name": name, "storage": str(tmp_path)},
     }
 
@@ -46,6 +51,76 @@ def of(events, name):
 def undisturbed(ray_local, tmp_path_factory):
     run = Run(config(tmp_path_factory.mktemp("base"), "base"))
     return weights(run.result().run_dir)
+
+
+def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(undisturbed, tmp_path):
+    """failure.recovery: fast, one warm spare, faults from outside by pid: a kill (the spare
+    takes the rank, or none is up yet), a kill right after that recovery (no spare up), two
+    kills a third of a second apart, a freeze. Each time the survivors go on without waiting
+    for a process to start; the group is back at 3 once the replacements are up."""
+    slow = tmp_path / "slow"  # the run goes slowly while it exists
+    slow.touch()
+    cfg = config(tmp_path, "fast", recovery="fast", slow_while=str(slow), sleep_s=0.2)
+    cfg["task"]["target"] = "tests.tasks:ElasticTask"  # RegressionTask's maths, paced by `slow`
+    cfg["trainer"]["max_steps"] = STEPS = 300
+    cfg["failure"]["max_failures"] = 10
+    run = Run(cfg)
+
+    def recoveries():
+        return of(run.events(), "recovered")
+
+    def back_at_3():
+        wait_until(lambda: world_size(run.events()) == 3, "the group back at 3 workers")
+
+    run.wait_for_step(3)
+    kill(run.pids()[0])  # rank 0
+    wait_until(lambda: len(recoveries()) == 1, "the first recovery")
+    kill(run.pids()[-1])  # right after it: the spare, if it took rank 0, is not replaced yet
+    wait_until(lambda: len(recoveries()) == 2, "the second recovery")
+    back_at_3()
+    pids = run.pids()
+    kill(pids[1])
+    time.sleep(0.3)
+    kill(pids[2])
+    wait_until(lambda: len(recoveries()) >= 3, "the double kill's recovery")
+    back_at_3()
+    before = len(recoveries())
+    freeze(run.pids()[1])
+    wait_until(lambda: len(recoveries()) > before, "the freeze's recovery")
+    back_at_3()
+    slow.unlink()
+    result = run.result()
+
+    recovered = of(result.events, "recovered")
+    assert all(r["steps_lost"] == 0 for r in recovered), recovered
+    assert sum(1 for f in of(result.events, "worker_failed") if f["kind"] in ("died", "hung")) == 5
+    steps = [r["step"] for r in result.history if "loss" in r]
+    # Every step once; a row being reduced as a worker died is lost with it (not the step).
+    assert len(set(steps)) == len(steps) >= STEPS - len(recovered) and steps[-1] == STEPS
+    assert [r["world_size"] for r in result.history if "loss" in r][-1] == 3, result.events
+    dropped = [d for r in recovered for d in r["dropped"]]
+    grown = [e for e in of(result.events, "resized") if e["cause"] == "lost workers replaced"]
+    assert dropped and sum(e["added"] for e in grown) == len(dropped)  # every one left behind came back
+    base = weights(Run(config(tmp_path, "base-300", sleep_s=0.0) | {
+        "trainer": cfg["trainer"]}).result().run_dir)
+    for key, value in weights(result.run_dir).items():
+        torch.testing.assert_close(value, base[key], rtol=1e-4, atol=1e-5)
+    assert_no_leaks()
+
+
+def world_size(events):
+    """The world size the newest event says."""
+    size = None
+    for e in events:
+        size = e.get("world_size", e.get("new_world_size", size)) if e["event"] in ("group_formed", "resized") else size
+    return size
+
+
+def wait_until(predicate, what, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):

@@ -26,7 +26,8 @@ def config(tmp_path, name, chaos=(), workers=2, **failure):
         "task": {"target": "tests.tasks:RegressionTask", "args": {"dropout": 0.1}},
         "trainer": {"max_steps": 24, "global_batch_size": 32, "log_every_n_steps": 4},
         "scaling": {"num_workers": workers},
-        "failure": {"chaos": list(chaos), "step_timeout_s": 4, **failure},
+        # exact: these runs must end bit-identical, whatever spare is up when a worker goes.
+        "failure": {"chaos": list(chaos), "step_timeout_s": 4, "recovery": "exact", **failure},
         "run": {"name": name, "storage": str(tmp_path)},
     }
 
@@ -79,36 +80,39 @@ def test_kills_with_loader_processes_end_bit_identical_and_leave_none_behind(und
     assert_no_loader_processes()
 
 
-def test_the_warm_spare_starts_once_training_runs_and_takes_a_lost_workers_place(ray_local, tmp_path):
+def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_local, tmp_path):
     """No spare while the workers build their task and take their first step (it would
-    import torch on their cores); one once training runs; a lost worker's place goes to
-    it, not to a cold start."""
+    import torch on their cores); failure.warm_spares of them once training runs; lost
+    workers' places go to them, not to cold starts."""
     from raytrainer.config import load_config
     from raytrainer.driver.group import RayWorkerGroup
 
-    cfg = config(tmp_path, "spare")
+    cfg = config(tmp_path, "spare", workers=3, warm_spares=2)
     cfg["trainer"]["max_steps"] = 10**6
     cfg["task"]["args"]["sleep_s"] = 0.02
     group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
     try:
         nodes = group.start()
         group.setup()
-        assert group.spare.actor is None
+        assert group.spares.spares == []
         group.launch()
         group.poll(0.1)
-        spare = group.spare.actor
-        assert spare is not None
+        spares = [actor for actor, _, _ in group.spares.spares]
+        assert len(spares) == 2
         import ray
 
-        # node() is answered once the spare is up (torch imported): a process of its own
-        assert ray.get(spare.node.remote(), timeout=120).pid not in [n.pid for n in nodes]
+        # node() is answered once a spare is up (torch imported): processes of their own
+        pids = {ray.get(spare.node.remote(), timeout=120).pid for spare in spares}
+        assert len(pids) == 2 and not pids & {n.pid for n in nodes}
         kill(nodes[1].pid)
+        kill(nodes[2].pid)
         failed, deadline = [], time.monotonic() + 60
-        while len(failed) < 2 and time.monotonic() < deadline:  # rank 1 died, rank 0 interrupted
+        while len(failed) < 3 and time.monotonic() < deadline:  # ranks 1, 2 died, rank 0 interrupted
             failed += group.poll(0.5).failures
-        assert sorted(f.rank for f in failed) == [0, 1]
-        reformed = group.reform([1])
-        assert reformed.replaced == [1] and group.actors[1] is spare
+        assert sorted(f.rank for f in failed) == [0, 1, 2]
+        assert group.spares_ready([1, 2]) == [1, 2]
+        reformed = group.reform([1, 2])
+        assert reformed.replaced == [1, 2] and set(group.actors[1:]) == set(spares)
     finally:
         group.shutdown()
     assert_no_leaks()
@@ -282,7 +286,7 @@ def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold()
     assert not wait(61, 0, 0)  # ... up to placement_timeout_s
 
 
-def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path):
+def test_the_next_warm_spares_start_once_the_recovered_group_has_formed(tmp_path):
     # Not while the recovery runs: its process start and torch import would take the cores
     # that the spare taking over (maybe still starting itself) and the survivors need.
     from raytrainer.config import load_config
@@ -297,9 +301,9 @@ def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path
     calls = []
     status = Status(5, 10, "framework")
     group.kill = lambda rank: calls.append(("kill", rank))
-    group.spare = SimpleNamespace(
+    group.spares = SimpleNamespace(
         take=lambda node_id: calls.append(("take_spare", node_id)) or ("spare", "the spare's node() call"),
-        start=lambda roster: calls.append(("start_spare",)))
+        start=lambda roster: calls.append(("start_spares",)))
     group.forming = SimpleNamespace(
         answers=lambda ranks, method: {r: status for r in ranks},
         take_state=lambda holders, avoid: (0, "state", status),
@@ -307,10 +311,13 @@ def test_the_next_warm_spare_starts_once_the_recovered_group_has_formed(tmp_path
         clear=lambda: None)
     # The spare's node() call, made as it started, says where it is: no second one to wait for.
     group.slots = SimpleNamespace(
+        renew_lost=lambda slots: {},
         wait_placed=lambda roster, ranks, others, asked: calls.append(("wait_placed", asked)) or {
             r: roster.nodes[r] for r in ranks},
-        ready_joiners=lambda take: [])
+        ready_joiners=lambda take: [],
+        start_joiners=lambda in_use, draining: calls.append(("start_joiners",)) or 0,
+        starting=lambda: False)
     reformed = group.reform([1])
     assert calls == [("kill", 1), ("take_spare", "n"), ("wait_placed", {1: "the spare's node() call"}),
-                     ("form", [0, 1]), ("start_spare",)]
+                     ("form", [0, 1]), ("start_joiners",), ("start_spares",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"]

@@ -36,10 +36,13 @@ checkpoint.async: the extra time of rank 0's steps around each save over ordinar
 (see rt.save_stalls), so an async save's writer thread competes for the cores with training
 as it would in a real run.
 
-The faults figures come from one raytrainer run with five faults (three single kills
-and a freeze at random moments of a step, a double kill), each recovery's time and
-steps lost, and whether its final weights are bit-identical to an undisturbed run's
-(see faults.py).
+The faults figures come from one raytrainer run with faults_count faults from outside
+at random moments (kills, kills right after a recovery, double kills, kills of rank 0,
+freezes), and from a node lost from an elastic run on a local multi-node Ray: the p50,
+p95 and max of the time from a fault to the first step after it, the steps lost, whether
+the final weights are bit-identical or within float tolerance of an undisturbed run's,
+the steps/s after the node loss over those before it at the same world size, and the
+pause of growing back (see faults.py).
 
 The grow figure comes from a run on a local multi-node Ray (ray.cluster_utils: one
 1-CPU raylet per worker, on this machine) with max_workers one above --workers: a node
@@ -53,12 +56,12 @@ report), command.py (the command line), __main__.py (a contender process's entry
 """
 
 from .command import add_arguments, main, spec_from_args
-from .faults import FAULTS, fault_plan
+from .faults import FAULT_KINDS, fault_plan
 from .job import BenchTask
 from .report import FIGURES, Figure, format_table, summarize
 from .run import machine, run_bench
 from .spec import CONTENDERS, LABELS, SCENARIOS, SMOKE, BenchError, BenchSpec
 
-__all__ = ["BenchError", "BenchSpec", "BenchTask", "CONTENDERS", "FAULTS", "FIGURES", "Figure", "LABELS",
+__all__ = ["BenchError", "BenchSpec", "BenchTask", "CONTENDERS", "FAULT_KINDS", "FIGURES", "Figure", "LABELS",
            "SCENARIOS", "SMOKE", "add_arguments", "fault_plan", "format_table", "machine", "main", "run_bench",
            "spec_from_args", "summarize"]

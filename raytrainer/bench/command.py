@@ -37,12 +37,16 @@ OPTIONS: dict[str, str | None] = {
     "input_workers": "loader processes per rank in the input runs",
     "input_io_ms": "I/O latency per sample in the input runs",
     "faults_workers": "workers of the faults runs",
-    "faults_every": "steps between the five faults of the faults run",
+    "faults_count": "faults of the faults run, from outside at random moments (kills, kills right after a "
+                    "recovery, double kills, kills of rank 0, freezes, in turn)",
+    "faults_steps": "optimizer steps of the faults run and its undisturbed twin",
+    "node_steps": "optimizer steps of the node run (a node lost from an elastic run)",
+    "node_window_steps": "unpaced steps at 2 workers measured before the node is lost and after",
     "faults_step_timeout_s": "failure.step_timeout_s of the faults runs (how long a freeze goes unnoticed)",
     "scenarios": "comma-separated subset of train (start-up, steps/s), join (start-up of a later run, "
                  "joining the local Ray the first one kept), kill (worker SIGKILL), stall "
                  "(checkpoint stall), grow (elastic grow), input (slow dataset, loader processes), faults "
-                 "(five faults in one run), peers (--strategy fsdp: recovery from peer snapshots and from a "
+                 "(faults at random moments in one run, a node lost from an elastic run), peers (--strategy fsdp: recovery from peer snapshots and from a "
                  "checkpoint, the snapshots' cost)",
     "timeout_s": "per contender run",
     "parallel": "contender runs at a time (above 1 their figures mean nothing: for checking that the "

@@ -73,7 +73,7 @@ def config(storage: str, width: int, steps: int) -> dict[str, Any]:
         "scaling": {"num_workers": 2},
         "checkpoint": {"every_n_steps": 4, "keep_last": 1},
         # No warm spare: its memory is not the driver's, and the machine needs the room.
-        "failure": {"max_failures": 1, "warm_spare": False},
+        "failure": {"max_failures": 1, "warm_spares": 0},
         "run": {"name": "big", "storage": storage},
     }
 

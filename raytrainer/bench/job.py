@@ -153,7 +153,7 @@ class BenchTask(Task):
         if self.spec.get("kill_marker"):
             arm_kill(self.spec, self._steps, torch.distributed.get_rank())
         if self.spec.get("pace_while") and os.path.exists(self.spec["pace_while"]):
-            time.sleep(0.02)
+            time.sleep(self.spec.get("pace_s", 0.02))
         if (self.spec.get("threads_file") and self._steps == self.spec["threads_at"]
                 and torch.distributed.get_rank() == 0):
             Path(self.spec["threads_file"]).write_text(json.dumps(thread_snapshot()))

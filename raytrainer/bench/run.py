@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .cpu import Sampler
-from .faults import FAULTS, faults_raytrainer
+from .faults import faults_raytrainer
 from .raw import input_raw, run_raw
 from .ray_train import kill_ray_train, run_ray_train
 from .report import (contender_settings, cpu_summary, cpu_windows, input_steps_per_s, notes, recovery_lines,
@@ -179,7 +179,7 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
         "grow": f"{label}, a node joins, {spec.workers} -> {spec.workers + 1} workers",
         "input": f"{label}, a slow dataset, {spec.input_workers} loader processes per rank",
         "faults": f"{label}, {spec.faults_workers} workers, an undisturbed run, then one with "
-                  f"{len(FAULTS)} faults {spec.faults_every} steps apart",
+                  f"{spec.faults_count} faults at random moments; then a node lost from an elastic run",
         "peers": f"{label}, fsdp, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}, recovered from "
                  "peer snapshots, then from a checkpoint; steps/s with snapshots and without",
     }[scenario]

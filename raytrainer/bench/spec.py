@@ -99,18 +99,24 @@ class BenchSpec:
     """Decoding CPU of one sample: 64x64 matrix products (about 15 us each on a laptop core)."""
     faults_workers: int = 3
     """Workers of the faults runs: 3, so that a double kill leaves a survivor holding the state."""
-    faults_every: int = 1000
-    """Steps between the faults of the faults run (the first at this step; the run is six
-    times as long): enough for each recovery, and the warm spare after it, to be done
-    before the next fault."""
+    faults_count: int = 20
+    """Faults of the faults run, from outside at random moments: kills, kills right after a
+    recovery, double kills, kills of rank 0 and freezes, in turn (see faults.py)."""
+    faults_steps: int = 12000
+    """Optimizer steps of the faults run (and its undisturbed twin): paced at kill_pace_s while
+    faults are due (about 35 steps/s), unpaced after; faults stop at 90% of them."""
+    node_steps: int = 5000
+    """Optimizer steps of the node run (paced at 50 ms but in its two measured windows)."""
+    node_window_steps: int = 1000
+    """Unpaced steps at 2 workers measured before a node is lost and after."""
     faults_step_timeout_s: float = 3.0
     """failure.step_timeout_s of the faults runs: how long a frozen worker goes unnoticed."""
     scenarios: str = "train,join,kill,stall,grow,input,faults"
     """Which measurements to run: train (start-up, steps/s), join (raytrainer's start-up
     in a later run: joining the local Ray a first run kept), kill (worker SIGKILL), stall (checkpoint
     stall inside training, sync and async), grow (elastic grow by one worker), input (a slow dataset
-    through loader processes), faults (five faults in one run, against an undisturbed
-    one), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,
+    through loader processes), faults (faults_count faults in one run, against an undisturbed
+    one, and a node lost from an elastic run), peers (--strategy fsdp: a kill recovered from peer snapshots and from a checkpoint,
     and the snapshots' cost in steps/s); comma-separated."""
     parallel: int = 1
     """Contender runs at a time. Above 1 the runs share the machine, so their figures say
@@ -124,7 +130,8 @@ class BenchSpec:
         for key in ("workers", "hidden", "layers", "in_dim", "global_batch_size", "samples", "steps",
                     "ray_train_steps", "repetitions", "checkpoint_mb", "stall_steps", "stall_checkpoint_every",
                     "kill_steps", "kill_step", "kill_checkpoint_every", "grow_steps", "input_steps",
-                    "input_steps_no_loaders", "input_workers", "faults_every", "parallel", "window_steps"):
+                    "input_steps_no_loaders", "input_workers", "faults_count", "faults_steps", "node_steps",
+                    "node_window_steps", "parallel", "window_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"bench --{key.replace('_', '-')}={getattr(self, key)} must be >= 1")
         if self.cpu_sample_s < 0:
@@ -157,6 +164,9 @@ class BenchSpec:
                               "must leave a survivor")
         if self.faults_step_timeout_s <= 0:
             raise ConfigError("bench --faults-step-timeout-s must be > 0")
+        if self.node_steps < 3 * self.node_window_steps:
+            raise ConfigError(f"bench --node-steps={self.node_steps} must be at least three times "
+                              f"--node-window-steps={self.node_window_steps}: two windows and the steps between")
         unknown = set(self.scenario_list) - set(SCENARIOS)
         if unknown or not self.scenario_list:
             raise ConfigError(f"bench --scenarios={self.scenarios!r}: choose from {', '.join(SCENARIOS)}")
@@ -192,7 +202,8 @@ class BenchSpec:
 
 SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=180.0,
              checkpoint_mb=4, kill_steps=60, kill_step=15, kill_checkpoint_every=10, input_steps=8,
-             input_steps_no_loaders=3, input_workers=2, faults_every=250, parallel=2)
+             input_steps_no_loaders=3, input_workers=2, faults_count=5, faults_steps=3000, node_steps=1500,
+             node_window_steps=100, parallel=2)
 """--smoke: checks that every contender and figure works, two runs at a time (the kill and
 faults runs one at a time)."""
 

@@ -4,8 +4,8 @@ The controller drives any object with the `contract.WorkerGroup` interface; test
 a fake one without a cluster. This one is split by concern:
 
     actors    the Roster (actor, node and slot by rank), making and calling an actor, kill
-    slots     placement groups: the core group, an elastic run's extra slots, newcomers
-    spares    the warm spare, a worker process ready to replace a lost one
+    slots     placement groups, one per slot, renewed when their node is lost; newcomers
+    spares    warm spares, worker processes ready to replace a lost one on their node
     drains    nodes being drained, and replacements for the workers on them
     forming   forming the process group, its hang checks, the state workers continue from
 
@@ -31,7 +31,7 @@ from .actors import Roster, control, gather, resources_text, start_worker, worke
 from .drains import Moves, draining_nodes
 from .forming import Forming
 from .slots import Slots
-from .spares import WarmSpare
+from .spares import WarmSpares
 
 __all__ = ["RayWorkerGroup", "worker_bundle"]
 
@@ -46,7 +46,7 @@ class RayWorkerGroup:
         self.roster = Roster()
         self.slots = Slots(config, self.bundle, cluster_can_grow)
         self.moves = Moves(config, self.bundle, self.slots)
-        self.spare = WarmSpare(config, self.bundle, enabled=config.failure.warm_spare and not use_gpu)
+        self.spares = WarmSpares(config, 0 if use_gpu else config.failure.warm_spares)
         self.forming = Forming(config, self.roster, self.kill)
         self._runs: list[Any] = []
         self._pending: list[Any] = []
@@ -69,7 +69,7 @@ class RayWorkerGroup:
         self.roster.slots = self.slots.reserve()
         self.roster.actors = [start_worker(self.config, self.bundle, slot) for slot in self.roster.slots]
         self.roster.nodes = gather([a.node.remote() for a in self.roster.actors])
-        return self.roster.nodes  # the warm spare starts once training runs (poll)
+        return self.roster.nodes  # the warm spares start once training runs (poll)
 
     def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None:
         """Fail now if workers on other nodes cannot see the run directory."""
@@ -102,7 +102,8 @@ class RayWorkerGroup:
         """Wait up to `timeout` for any worker's run() to end; collect new metric rows, and
         how each run() that ended did, if not by finishing."""
         ready, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
-        self.spare.start(self.roster)  # started here, once training runs (spares.py)
+        if not self.slots.starting():  # started here, once training runs (spares.py)
+            self.spares.start(self.roster)
         if ready and self._pending:  # whatever else has ended too, without waiting
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
@@ -130,7 +131,7 @@ class RayWorkerGroup:
         for actor in self.roster.actors:
             ray.kill(actor, no_restart=True)
         self.moves.shutdown()
-        self.spare.shutdown()
+        self.spares.shutdown()
         self.slots.shutdown()  # its newcomers, and every placement group
         self.forming.clear()
         self.roster.actors, self.roster.slots = [], []
@@ -172,13 +173,21 @@ class RayWorkerGroup:
     def replacements(self, ranks: list[int]) -> list[int]:
         return self.moves.replacements(ranks)
 
+    def spares_ready(self, ranks: list[int]) -> list[int]:
+        """Of the lost `ranks`, those a warm spare that is up can take over now: one on the
+        node of the rank's slot (a node Ray holds alive), each spare for one rank."""
+        ready = self.spares.ready_on([self.roster.nodes[r].node_id for r in ranks])
+        return [r for r, ok in zip(ranks, ready) if ok]
+
     # ------------------------------------------------------------------ re-forms
 
-    def reform(self, dead: list[int], leave: list[int] = ()) -> Reformed:
+    def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
         """Re-form the process group after a failure or a pause; every worker must have
         stopped. The `dead` ranks get a new worker (the one started by `replacements` for
-        them, else the warm spare, else one in their slot) if one is placed in time
-        (policy.keep_waiting_for_placement), and are dropped otherwise. The `leave` ranks
+        them, else a warm spare, else one in their slot) if one is placed in time
+        (policy.keep_waiting_for_placement), and are dropped otherwise; those in `regrow`
+        are dropped at once, their replacements started once the group has re-formed (they
+        join at a later re-form, `joinable`: policy.replacing). The `leave` ranks
         (alive, on a draining node) give way to their replacement where it is up, and are
         dropped otherwise. Workers ready to join are added. Ranks keep their order (the
         remaining ones close up, newcomers come last). Every worker gets the state of the
@@ -189,7 +198,8 @@ class RayWorkerGroup:
         scaling, roster = self.config.scaling, self.roster
         world = len(roster.actors)
         leave = [r for r in leave if r not in dead]
-        asked = self._replace(dead)
+        regrow = [r for r in regrow if r in dead]
+        asked = self._replace(dead, regrow)
         others = [r for r in range(world) if r not in dead]
         answers = self.forming.answers(others, "status")
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
@@ -201,7 +211,8 @@ class RayWorkerGroup:
             if node is not None:
                 moved[rank] = node
         staying = len(others) - len(leave) + len(moved)
-        placed = self.slots.wait_placed(roster, dead, staying + len(self.slots.ready_joiners(take=False)), asked)
+        waited = [r for r in dead if r not in regrow]
+        placed = self.slots.wait_placed(roster, waited, staying + len(self.slots.ready_joiners(take=False)), asked)
         for rank in dead:
             if rank not in placed:  # its slot stays reserved: it may join later
                 ray.kill(roster.actors[rank], no_restart=True)
@@ -210,11 +221,13 @@ class RayWorkerGroup:
         keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
         self.moves.cancel_all()  # ranks are renumbered: replacements still wanted are asked again
         if leave:
-            self.spare.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
+            self.spares.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
         roster.actors = [roster.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
         roster.slots = [roster.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
         roster.nodes = [placed.get(r) or roster.nodes[r] for r in keep] + [node for _, _, node in joiners]
-        if len(roster.actors) < scaling.min_workers:
+        # Below min_workers only for lack of a replacement waited for; ranks left behind to
+        # regrow are the controller's to bound (scaling.placement_timeout_s).
+        if len(roster.actors) < scaling.min_workers and any(r not in placed for r in waited):
             raise PlacementError(
                 f"only {len(roster.actors)} workers could be placed within scaling.placement_timeout_s="
                 f"{scaling.placement_timeout_s:g} after losing rank(s) {dead}, fewer than "
@@ -230,7 +243,7 @@ class RayWorkerGroup:
                 calls[rank] = (None, state_ref)
         self.forming.form(calls, self.use_gpu)
         self.forming.clear()
-        self.spare.start(roster)
+        self._restock()
         return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
                         state_from="memory" if source is not None else "object_store",
                         replaced=sorted(r for r in placed if r in dead),
@@ -266,32 +279,46 @@ class RayWorkerGroup:
         roster.nodes = [placed.get(r) or roster.nodes[r] for r in range(world)]
         self.forming.form({rank: (None, loads[rank]) for rank in range(world)}, self.use_gpu)
         self.forming.clear()
-        self.spare.start(roster)
+        self._restock()
         return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
                         replaced=sorted(dead), snapshot_step=step, peers=peers)
 
-    def _replace(self, dead: list[int]) -> dict[int, Any]:
+    def _replace(self, dead: list[int], regrow: list[int] = ()) -> dict[int, Any]:
         """Kill the `dead` ranks' workers and start their replacements: the one started for
-        a draining node's rank, else the warm spare, else a new worker in the rank's slot.
-        Returns, by rank, the node() call a replacement already answers or will (the spare's,
-        made as it started), for wait_placed: one call fewer to wait for."""
+        a draining node's rank, else a warm spare that is up on its node, else a new worker
+        in the rank's slot (a new slot if the node is lost); none for the ranks in `regrow`
+        (reform starts theirs later). Returns, by rank, the node() call a replacement
+        already answers (a spare's, made as it started), for wait_placed: one call fewer."""
         roster = self.roster
         asked: dict[int, Any] = {}
+        renewed = self.slots.renew_lost([roster.slots[r] for r in dead])
         for rank in dead:
             self.kill(rank)
+            roster.slots[rank] = renewed.get(roster.slots[rank], roster.slots[rank])
             if rank in self.moves:  # its node was drained: its replacement is elsewhere
                 self.moves.take(roster, rank, wait=True)
                 continue
-            taken = self.spare.take(roster.nodes[rank].node_id)
+            if rank in regrow:
+                continue
+            taken = self.spares.take(roster.nodes[rank].node_id)
             if taken is not None:
                 roster.actors[rank], asked[rank] = taken
             else:
                 roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
-        # The next spare starts once the group has formed (reform, reform_from_peers), not
-        # now: starting a process and importing torch took the cores the recovery needed
-        # (on 2 cores, it held up the spare taking over when that was still starting),
-        # and one started now would still be starting at a recovery's next attempt.
+        # Replacements of the ranks left behind, and the next spares, start once the group
+        # has formed (_restock), not now: starting a process and importing torch took the
+        # cores the recovery needed (on 2 cores, it held up the spare taking over when that
+        # was still starting), and one started now would still be starting at a recovery's
+        # next attempt.
         return asked
+
+    def _restock(self) -> None:
+        """Once a group has formed: start a worker in every free slot placed (the ranks left
+        behind by a recovery get their replacements; they join at a resize), and, once none
+        is starting, the spares used up."""
+        self.slots.start_joiners(self.roster.slots + self.moves.slots_in_use(), self.draining)
+        if not self.slots.starting():
+            self.spares.start(self.roster)
 
     def _drain(self, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Rank 0's new rows and events. A call not answered within `timeout` (rank 0 is

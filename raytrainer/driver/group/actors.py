@@ -49,17 +49,29 @@ def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
     return {k: float(v) for k, v in bundle.items() if v}
 
 
-def start_worker(config: Config, bundle: dict[str, float], slot: Slot, spare: bool = False) -> Any:
-    """A worker actor in `slot`. A spare takes no resources: it waits, torch imported, beside
-    the slot's worker until it replaces a lost one."""
+def start_worker(config: Config, bundle: dict[str, float], slot: Slot) -> Any:
+    """A worker actor in `slot`, holding its resources."""
     extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     pg, index = slot
     return _remote_worker().options(
-        num_cpus=0 if spare else bundle.get("CPU", 0),
-        num_gpus=0 if spare else bundle.get("GPU", 0),
-        resources=None if spare else extra or None,
+        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=extra or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(config.to_dict(), config.task.payload, spare=spare)  # a task passed by value: its object-store ref
+    ).remote(config.to_dict(), config.task.payload)  # a task passed by value: its object-store ref
+
+
+def start_spare(config: Config, node_id: str) -> Any:
+    """A spare on `node_id`: it takes no resources, and waits, torch imported, until it
+    replaces a lost worker of that node in its slot. Pinned to the node, not to a slot's
+    placement group: a group removed (a lost or drained node's) would take it along."""
+    return _remote_worker().options(
+        num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(config.to_dict(), config.task.payload, spare=True)
+
+
+def alive_nodes() -> set[str]:
+    """The ids of the nodes Ray holds alive (a node lost a moment ago may still be among
+    them: Ray marks it dead after its health checks fail)."""
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
 def control(actor: Any, method: str) -> Any:

@@ -2,10 +2,10 @@
 
 A worker on a node being drained gets a replacement in a new single-bundle group, which Ray
 places on another node (it never places on a draining node); once the workers have paused,
-the replacement takes the worker's rank and the state, and the worker leaves. Its old slot
-stays with its group: a core bundle is rescheduled by Ray once the node is gone (Ray cannot
-release one bundle of a group) and serves an elastic run as a slot to grow into; an elastic
-extra's own group is removed.
+the replacement takes the worker's rank and the state, and the worker leaves, its old slot
+given back. A worker that leaves without a replacement (an elastic run without room) leaves
+its slot free: once the node is gone, the slot gets a new placement group (slots.renew_lost)
+and the run grows into it when the cluster has room.
 """
 
 from __future__ import annotations

@@ -1,11 +1,20 @@
-"""Slots: the placement groups that reserve a place for each worker.
+"""Slots: the placement groups that reserve a place for each worker, one group per slot.
 
-One placement group of scaling.min_workers bundles (with the placement strategy), reserved
-all at once before anything starts, and for an elastic run one single-bundle group per
-worker it may grow by, created after it. Those stay pending until the cluster has room,
-which is also what asks the autoscaler for it; a free slot whose group is placed gets a
-worker started in it, which joins the group at the next re-form once it is up. A slot whose
-node is lost is rescheduled by Ray when room appears, and used again the same way.
+The first scaling.min_workers slots are placed together, all at once, with the placement
+strategy (one group of that many bundles, which places all or none); that group is then
+traded for one single-bundle group per slot on the same nodes, before any worker starts.
+An elastic run asks for one more single-bundle group per worker it may grow by. Those stay
+pending until the cluster has room, which is also what asks the autoscaler for it; a free
+slot whose group is placed gets a worker started in it, which joins the group at the next
+re-form once it is up.
+
+One group per slot because of what Ray does with a group whose node is lost: it reschedules
+the lost bundle, and while that bundle finds no room the GCS retries it without backoff,
+taking a core for as long as it stays so (Ray 2.60: `SchedulePendingPlacementGroups` run 5
+million times in two minutes, the GCS and the head's dashboard agent at 40 to 60% of a core
+each, the workers twentyfold slower; ray-project/ray#65970). A multi-bundle group cannot
+give one bundle back without its other workers, so a slot whose node is lost has its group
+removed and a new one asked for (`renew_lost`): a pending group is retried with backoff.
 """
 
 from __future__ import annotations
@@ -42,18 +51,18 @@ class Slots:
         """Reserve min_workers slots at once and ask for the rest; the slots placed."""
         scaling = self.config.scaling
         self._check_fits(scaling.min_workers)
-        core = placement_group([self.bundle] * scaling.min_workers, strategy=scaling.placement)
-        self.pgs = [core]
-        timeout = scaling.placement_timeout_s
-        ready, _ = ray.wait([core.ready()], timeout=timeout)
-        if not ready:
-            raise PlacementError(
-                f"could not place {scaling.min_workers} workers of {self.bundle} each "
-                f"({scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
-                f"{resources_text()}. Lower scaling.num_workers (or min_workers) or "
-                "scaling.resources_per_worker, or add nodes"
-            )
-        slots = [(core, i) for i in range(scaling.min_workers)]
+        t0 = time.monotonic()
+        gang = placement_group([self.bundle] * scaling.min_workers, strategy=scaling.placement)
+        self.pgs = [gang]
+        self._wait_ready([gang], t0)
+        nodes = placement_group_table(gang)["bundles_to_node_id"]
+        remove_placement_group(gang)
+        # The same nodes, one group each (a soft target: were the room taken meanwhile,
+        # another node serves).
+        self.pgs = [placement_group([self.bundle], strategy="STRICT_PACK", _soft_target_node_id=nodes[i])
+                    for i in range(scaling.min_workers)]
+        self._wait_ready(self.pgs, t0)
+        slots = [(pg, 0) for pg in self.pgs]
         # Only now: single bundles asked for first could take the room the core needs.
         extras = [placement_group([self.bundle]) for _ in range(scaling.max_workers - scaling.min_workers)]
         self.pgs += extras
@@ -63,6 +72,19 @@ class Slots:
             slots += [(pg, 0) for pg, ref in zip(extras, refs) if ref in ready]
         return slots
 
+    def _wait_ready(self, pgs: list[Any], t0: float) -> None:
+        scaling = self.config.scaling
+        timeout = scaling.placement_timeout_s
+        refs = [pg.ready() for pg in pgs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, t0 + timeout - time.monotonic()))
+        if len(ready) < len(refs):
+            raise PlacementError(
+                f"could not place {scaling.min_workers} workers of {self.bundle} each "
+                f"({scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
+                f"{resources_text()}. Lower scaling.num_workers (or min_workers) or "
+                "scaling.resources_per_worker, or add nodes"
+            )
+
     def single(self) -> Slot:
         """A new slot in a group of its own (Ray places it off draining nodes)."""
         pg = placement_group([self.bundle])
@@ -70,31 +92,52 @@ class Slots:
         return pg, 0
 
     def release(self, slot: Slot) -> None:
-        """Give back a slot no worker uses, where Ray allows it: a group of its own is
-        removed; a bundle of the core group stays reserved (a slot to grow into)."""
-        pg = slot[0]
-        if pg is not self.pgs[0] and len(pg.bundle_specs) == 1 and pg in self.pgs:
-            self.pgs.remove(pg)
+        """Give back a slot no worker uses (its placement group)."""
+        if slot[0] in self.pgs:
+            self.pgs.remove(slot[0])
+            remove_placement_group(slot[0])
+
+    def renew_lost(self, slots: Iterable[Slot], tables: dict[Any, dict] | None = None) -> dict[Slot, Slot]:
+        """Of `slots`, those whose node is lost (their group rescheduling), each given a new
+        group in place of its own, pending until the cluster has room: old -> new.
+        `tables`: their groups' placement_group_table entries, if already read."""
+        renewed = {}
+        for pg in {pg for pg, _ in slots if pg in self.pgs}:
+            table = tables[pg] if tables and pg in tables else placement_group_table(pg)
+            if table.get("state") != "RESCHEDULING":
+                continue
+            new = placement_group([self.bundle])
+            self.pgs[self.pgs.index(pg)] = new
             remove_placement_group(pg)
+            renewed[(pg, 0)] = (new, 0)
+        return renewed
+
+    def starting(self) -> bool:
+        """Whether a worker started in a free slot is not up yet."""
+        return len(self.ready_joiners(take=False)) < len(self.joining)
 
     def start_joiners(self, in_use: Iterable[Slot], draining: Callable[[], dict[str, Any]]) -> int:
         """Start a worker in every free slot the cluster has placed (not on a node being
-        drained); return how many started workers are ready to join at the next re-form."""
-        taken = set(in_use) | {slot for slot, _, _ in self.joining}
-        placed: dict[Any, dict[int, str] | None] = {}  # pg -> its bundles' nodes, once placed
+        drained); return how many started workers are ready to join at the next re-form.
+        A worker started in a slot whose node has been lost since goes, and its slot is
+        renewed."""
+        in_use = set(in_use)
+        tables = {pg: placement_group_table(pg) for pg in self.pgs if (pg, 0) not in in_use}
+        renewed = self.renew_lost([(pg, 0) for pg in tables], tables)
+        for slot, actor, _ in [j for j in self.joining if j[0] in renewed]:
+            ray.kill(actor, no_restart=True)
+        self.joining = [j for j in self.joining if j[0] not in renewed]
+        taken = {slot for slot, _, _ in self.joining}
         drained = None
-        for slot in [(pg, i) for pg in self.pgs for i in range(len(pg.bundle_specs)) if (pg, i) not in taken]:
-            pg = slot[0]
-            if pg not in placed:
-                table = placement_group_table(pg)
-                placed[pg] = table.get("bundles_to_node_id", {}) if table.get("state") == "CREATED" else None
-            if placed[pg] is not None:
-                if drained is None:
-                    drained = draining()
-                if placed[pg].get(slot[1]) in drained:  # a slot on a node about to go: not now
-                    continue
-                actor = start_worker(self.config, self.bundle, slot)
-                self.joining.append((slot, actor, actor.node.remote()))
+        for pg, table in tables.items():
+            if (pg, 0) in renewed or (pg, 0) in taken or table.get("state") != "CREATED":
+                continue
+            if drained is None:
+                drained = draining()
+            if table.get("bundles_to_node_id", {}).get(0) in drained:  # a slot on a node about to go: not now
+                continue
+            actor = start_worker(self.config, self.bundle, (pg, 0))
+            self.joining.append(((pg, 0), actor, actor.node.remote()))
         return len(self.ready_joiners(take=False))
 
     def ready_joiners(self, take: bool) -> list[tuple[Slot, Any, Node]]:
@@ -125,8 +168,11 @@ class Slots:
         asked = asked or {}
         refs = {asked[r] if r in asked else roster.actors[r].node.remote(): r for r in ranks}
         placed: dict[int, Node] = {}
-        t0 = time.monotonic()
+        t0 = checked = time.monotonic()
         while refs:
+            if time.monotonic() - checked > 1.0:  # a node lost meanwhile: ask for its slots anew
+                checked = time.monotonic()
+                self._restart_in_renewed(roster, refs)
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.1)
             for ref in ready:
                 rank = refs.pop(ref)
@@ -144,6 +190,18 @@ class Slots:
                                               placement_timeout_s=scaling.placement_timeout_s):
                 break
         return placed
+
+    def _restart_in_renewed(self, roster: Roster, refs: dict[Any, int]) -> None:
+        """The workers waited for (`refs`: node() call -> rank) whose slot's node is lost,
+        started again in a new slot."""
+        renewed = self.renew_lost([roster.slots[r] for r in refs.values()])
+        for ref, rank in list(refs.items()):
+            if roster.slots[rank] in renewed:
+                ray.kill(roster.actors[rank], no_restart=True)
+                roster.slots[rank] = renewed[roster.slots[rank]]
+                roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
+                del refs[ref]
+                refs[roster.actors[rank].node.remote()] = rank
 
     def shutdown(self) -> None:
         for _, actor, _ in self.joining:

@@ -1,68 +1,97 @@
-"""The warm spare: an idle worker process, torch imported, ready to take a lost worker's
-place in a fraction of a cold start.
+"""Warm spares: idle worker processes, torch imported, each ready to take the place of a lost
+worker of its node in a fraction of a cold start (failure.warm_spares of them).
 
-It runs on a slot's node but holds no resources (CPU workers only: a GPU worker needs its
-GPU assigned by Ray at creation). It starts once training runs (the group's first poll),
-not beside the workers' start: a process importing torch on the same cores delays their
-set-up and first step; and the next one once a recovered group has formed, not as the
-recovery begins, so its start does not take the cores the recovery needs. It imports
-torch on a thread at nice 19 (worker.actor._Imports), so that training keeps the cores
-meanwhile, and is ready once it answers its node() call.
+A spare holds no resources (CPU workers only: a GPU worker needs its GPU assigned by Ray at
+creation), so it can only stand in for a worker whose slot is on its own node: the spares
+are spread over the nodes the workers run on. They start once training runs (the group's
+first poll), not beside the workers' start: a process importing torch on the same cores
+delays their set-up and first step. One used is replaced once the recovered group has
+formed and no lost worker's replacement is still starting, so that its start takes no
+cores from the recovery. A spare imports torch on a thread at nice 19
+(worker.actor._Imports), so that training keeps the cores meanwhile, and is ready once it
+answers its node() call; only a ready one is taken: one still importing at the lowest
+priority can take longer than a cold start at the workers' own on a busy machine.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ...config import Config
-from .actors import Roster, start_worker
+from .actors import Roster, alive_nodes, start_spare
 
 
-class WarmSpare:
-    def __init__(self, config: Config, bundle: dict[str, float], enabled: bool):
-        self.config, self.bundle, self.enabled = config, bundle, enabled
-        self.actor: Any = None
-        self._node: tuple[Any, str] | None = None  # (its node() call, the node it was sent to)
+class WarmSpares:
+    def __init__(self, config: Config, count: int):
+        self.config, self.count = config, count
+        self.spares: list[tuple[Any, Any, str]] = []  # (actor, its node() call, the node it is pinned to)
 
     def start(self, roster: Roster) -> None:
-        """Start one beside rank 0's slot, unless one is up or starting."""
-        if self.actor is None and self.enabled and roster.slots:
-            self.actor = start_worker(self.config, self.bundle, roster.slots[0], spare=True)
-            self._node = (self.actor.node.remote(), roster.nodes[0].node_id)
+        """Start spares up to the count, each on the node whose workers have the fewest
+        spares each (then the one with the most workers)."""
+        if len(self.spares) >= self.count or not roster.nodes:
+            return
+        workers = Counter(n.node_id for n in roster.nodes)
+        on = Counter(node for _, _, node in self.spares)
+        while len(self.spares) < self.count:
+            node = min(workers, key=lambda n: (on[n] / workers[n], -workers[n]))
+            actor = start_spare(self.config, node)
+            self.spares.append((actor, actor.node.remote(), node))
+            on[node] += 1
+
+    def ready_on(self, node_ids: list[str]) -> list[bool]:
+        """For each of `node_ids` in turn, whether a spare that is up there (and not counted
+        for an earlier one) could take a worker's place now."""
+        free = Counter(node for _, ref, node in self._alive() if _answered(ref))
+        if free:  # a node lost a moment ago: its spares are gone with it, not yet seen so
+            alive = alive_nodes()
+            free = Counter({node: n for node, n in free.items() if node in alive})
+        out = []
+        for node in node_ids:
+            out.append(free[node] > 0)
+            free[node] -= 1
+        return out
 
     def take(self, node_id: str) -> tuple[Any, Any] | None:
-        """The spare and its node() call, made as it started, if it is ready (it has answered
-        that call: torch imported) on `node_id`. One still importing is left to go on:
-        it imports at the lowest priority (worker.actor._Imports), which on a busy machine
-        can take longer than a cold start at the workers' own."""
-        if self.actor is None:
+        """A spare that is up on `node_id`, and its node() call, made as it started (a
+        recovery waits for it through that call: one round trip fewer)."""
+        up = [s for s in self._alive() if s[2] == node_id and _answered(s[1])]
+        if not up or node_id not in alive_nodes():
             return None
-        ref, _ = self._node
-        try:
-            on = ray.get(ref, timeout=0).node_id
-        except GetTimeoutError:
-            return None
-        except (RayActorError, RayTaskError):  # it died (its node with it?): start a new one later
-            self.actor = None
-            return None
-        if on != node_id:
-            return None
-        spare, self.actor = self.actor, None
-        if not any(n["NodeID"] == on and n["Alive"] for n in ray.nodes()):
-            ray.kill(spare, no_restart=True)  # the node is gone, and the spare with it
-            return None
-        return spare, ref
+        self.spares.remove(up[0])
+        return up[0][0], up[0][1]
 
     def keep_only_on(self, node_ids: set[str]) -> None:
-        """Let the spare go if it is beside no worker any more (they left its node)."""
-        if self.actor is not None and self._node[1] not in node_ids:
-            ray.kill(self.actor, no_restart=True)
-            self.actor = None
+        """Let go the spares beside no worker any more (they left the spare's node)."""
+        for spare in [s for s in self.spares if s[2] not in node_ids]:
+            ray.kill(spare[0], no_restart=True)
+            self.spares.remove(spare)
 
     def shutdown(self) -> None:
-        if self.actor is not None:
-            ray.kill(self.actor, no_restart=True)
-        self.actor = None
+        for actor, _, _ in self.spares:
+            ray.kill(actor, no_restart=True)
+        self.spares = []
+
+    def _alive(self) -> list[tuple[Any, Any, str]]:
+        """The spares, less those that died (with their node?): replaced at the next start."""
+        for spare in list(self.spares):
+            try:
+                ray.get(spare[1], timeout=0)
+            except GetTimeoutError:
+                pass
+            except (RayActorError, RayTaskError):
+                ray.kill(spare[0], no_restart=True)
+                self.spares.remove(spare)
+        return list(self.spares)
+
+
+def _answered(ref: Any) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return True
+    except (GetTimeoutError, RayActorError, RayTaskError):
+        return False
