@@ -177,10 +177,11 @@ class ReformFailed(Exception):
     """A re-form that failed part-way (a worker died, hung or raised while the group
     formed). The group is left with every live worker idle; `failures` are the causes,
     to count, and `dead` every rank now gone (the failed and any killed to unblock the
-    rest), with ranks as the group now numbers them."""
+    rest), with ranks as the group now numbers them; `world_size`, where given, how many
+    ranks it now numbers (dead ones included)."""
 
-    def __init__(self, failures: list[Failure], dead: list[int]):
-        self.failures, self.dead = failures, dead
+    def __init__(self, failures: list[Failure], dead: list[int], world_size: int | None = None):
+        self.failures, self.dead, self.world_size = failures, dead, world_size
         super().__init__("; ".join(f"rank {f.rank} {f.kind}: {f.cause}" for f in failures))
 
 

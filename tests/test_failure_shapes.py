@@ -313,3 +313,54 @@ def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(r
         stall.unlink(missing_ok=True)
         group.shutdown()
     assert_no_leaks()
+
+
+def test_a_worker_lost_while_its_peers_wait_in_the_rendezvous_leaves_them_in_place(ray_local, tmp_path):
+    """A worker dies while its peers wait for it in the new group's rendezvous (here: rank
+    1's replacement, killed by pid while it builds its task): the peers are asked to abort
+    the rendezvous and stay, holding their state, to form the next group; before, they
+    waited FORM_GRACE_S and were killed, and every rank started cold."""
+    import ray
+    from ray._private import state
+
+    from raytrainer.config import load_config
+    from raytrainer.contract import ReformFailed
+    from raytrainer.driver.group import RayWorkerGroup
+
+    stall = tmp_path / "stall-pids"
+    cfg = config(tmp_path, "lost-in-rendezvous", stall_pid_file=str(stall))
+    cfg["failure"].update(step_timeout_s=120, collective_timeout_s=600)  # neither to end the wait
+    group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
+    ended = []
+
+    def reform():
+        try:
+            ended.append(group.reform([1]))
+        except ReformFailed as exc:
+            ended.append(exc)
+
+    try:
+        nodes = group.start()
+        group.setup()
+        kill(nodes[1].pid)
+        stall.write_text("!" + " ".join(str(n.pid) for n in nodes))  # rank 1's replacement stalls
+        thread = threading.Thread(target=reform, daemon=True)
+        thread.start()
+        wait_until(lambda: [s and s.forming for s in group.status()][::2] == ["joining", "joining"],
+                   "the survivors in the rendezvous")
+        replacement = state.actors()[group.roster.actors[1]._actor_id.hex()]["Pid"]
+        kill(replacement)
+        thread.join(60)
+        assert not thread.is_alive(), "the survivors still wait in the rendezvous"
+        (failed,) = ended
+        assert isinstance(failed, ReformFailed) and failed.dead == [1]
+        assert sorted((f.rank, f.kind) for f in failed.failures) == [(0, "interrupted"), (1, "died"),
+                                                                     (2, "interrupted")]
+        stall.unlink()
+        reformed = group.reform([1])
+        assert [n.pid for n in reformed.nodes][::2] == [nodes[0].pid, nodes[2].pid] and reformed.source is not None
+        assert ray.get(group.roster.actors[0].status.remote()).step == 0
+    finally:
+        stall.unlink(missing_ok=True)
+        group.shutdown()
+    assert_no_leaks()

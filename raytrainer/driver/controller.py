@@ -310,6 +310,7 @@ class Controller:
                 break
             except ReformFailed as exc:  # lost again while re-forming: one more failure
                 failures, lost = exc.failures, exc.dead
+                self.world = exc.world_size or self.world  # as the group numbers its ranks now
             except NoSurvivors as exc:
                 self.group.shutdown()
                 try:
@@ -344,8 +345,10 @@ class Controller:
                 failed.setdefault(f.rank, f)
 
         absorb(failures)
-        # NCCL survivors wait in their collective until its timeout whatever happened to
-        # the peer: abort their communicators so they stop now (a no-op on Gloo).
+        # Survivors stop now: NCCL's wait in their collective until its timeout whatever
+        # happened to the peer (their communicators are aborted), and a Gloo survivor may
+        # wait on another survivor rather than on the lost worker (its connections are shut
+        # down, worker/dist.py): every survivor is to re-form anyway.
         self.group.abort([r for r in range(self.world) if r not in failed])
         stopped_at: float | None = None  # when a survivor first stopped, holding its state
         while True:
@@ -375,10 +378,9 @@ class Controller:
                 absorb(self._hung_now)
 
     # After a survivor stopped with its state, how long the others get to stop before those
-    # still waiting in a collective are killed: a Gloo peer left waiting on a survivor that
-    # stopped (rather than on the lost worker, whose sockets closed) would wait for
-    # failure.collective_timeout_s, and neither abort() nor destroying the group on
-    # either side unblocks it (measured, torch 2.13). The state is in the stopped ones.
+    # still waiting in a collective are killed: a last resort, for a collective that the
+    # shut-down connections (abort above, and each survivor's as it leaves) did not fail,
+    # which would wait for failure.collective_timeout_s. The state is in the stopped ones.
     UNBLOCK_AFTER_S = 2.0
 
     def _blocked(self, exclude: set[int]) -> list[int]:
@@ -423,6 +425,7 @@ class Controller:
             else:
                 reformed = self._restart(leave=sorted(leaving))
         except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other
+            self.world = exc.world_size or self.world
             self._recover(exc.failures, lost=exc.dead)
             return
         self.step = reformed.step

@@ -41,9 +41,11 @@ def host_store(addr: str, timeout_s: float) -> int:
     client that finds no server yet retries after a backoff, which added 0.25 to 0.6 s to
     forming a group (2 and 3 Gloo ranks, torch 2.13, a 2-core VM) whenever a peer came
     before rank 0 had started the store inside init_process_group."""
-    global _hosted
+    global _hosted, _hosted_sockets
+    before = _sockets()
     _hosted = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    _hosted_sockets = _opened_since(before)  # its own client's connection: the forming's too
     return _hosted.port
 
 
@@ -67,7 +69,7 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
     timeout = datetime.timedelta(seconds=timeout_s)
     hosted, _hosted = _hosted, None  # not kept listening for a group it does not serve
     _group_sockets.clear()
-    with _tracking_sockets(backend == "gloo"):
+    with _forming(keep=backend == "gloo"):
         if rank == 0 and hosted is not None and hosted.port == port:
             store = hosted  # the group keeps it alive from here
         else:  # rank 0 hosts it now if it did not already (callers that skip host_store)
@@ -82,13 +84,18 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
 def new_gloo_group():
     """A Gloo group over every rank (collective), whose connections leaving a failed
     group closes too (see leave_group)."""
-    with _tracking_sockets(True):
+    with _forming(keep=True):
         return dist.new_group(backend="gloo")
 
 
 # The connected sockets this process opened while forming its Gloo groups (its pairs to
 # every peer, its store connection): fd -> "socket:[inode]", the inode telling a reused fd.
 _group_sockets: dict[int, str] = {}
+# While a group forms: the sockets this process had before (the ones opened since are the
+# forming's: its store connection, its pairs), so that abort_group can end a rendezvous
+# that waits for a peer lost meanwhile.
+_forming_before: dict[int, str] | None = None
+_hosted_sockets: dict[int, str] = {}
 
 
 def _sockets() -> dict[int, str]:
@@ -102,16 +109,23 @@ def _sockets() -> dict[int, str]:
 
 
 @contextlib.contextmanager
-def _tracking_sockets(on: bool):
-    """Record the sockets opened inside the block as the group's. Other threads of this
-    process (Ray's) rarely open one in that window; closing one by mistake, at a failure,
-    costs at worst a reconnect."""
-    before = _sockets() if on and os.path.isdir("/proc/self/fd") else None
+def _forming(keep: bool):
+    """Forming a group: the sockets opened inside the block are the forming's, and with
+    `keep` the group's, once formed. Other threads of this process (Ray's) rarely open one
+    in that window; closing one by mistake, at a failure, costs at worst a reconnect."""
+    global _forming_before
+    before = _forming_before = _sockets() if os.path.isdir("/proc/self/fd") else None
     try:
         yield
     finally:
-        if before is not None:
-            _group_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+        global _hosted_sockets
+        _forming_before, _hosted_sockets = None, {}
+        if keep and before is not None:
+            _group_sockets.update(_opened_since(before))
+
+
+def _opened_since(before: dict[int, str]) -> dict[int, str]:
+    return {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
 
 
 def _close_group_sockets() -> int:
@@ -124,8 +138,15 @@ def _close_group_sockets() -> int:
     Once its sockets close, the peer's collective fails at once and it closes its own, so
     a failure reaches every rank in milliseconds. Listening sockets are left alone: Gloo's
     listener thread aborts the process when its socket is shut down."""
+    closed = _shut_down(_group_sockets)
+    _group_sockets.clear()
+    return closed
+
+
+def _shut_down(sockets: dict[int, str]) -> int:
+    """Shut down the connected ones of `sockets` (fd -> link) still open; how many."""
     closed = 0
-    for fd, link in list(_group_sockets.items()):
+    for fd, link in list(sockets.items()):
         with contextlib.suppress(OSError):
             if os.readlink(f"/proc/self/fd/{fd}") != link:
                 continue  # closed since (by the group itself), its number reused
@@ -136,7 +157,6 @@ def _close_group_sockets() -> int:
                     closed += 1
             finally:
                 sock.close()
-    _group_sockets.clear()
     return closed
 
 
@@ -172,7 +192,12 @@ def leave_group(failed: bool = False) -> None:
 def abort_group() -> bool:
     """Make a collective blocked on a lost peer raise now, from another thread: NCCL's
     communicators are aborted; Gloo's connections are shut down (its abort() does not
-    unblock a pending collective). Whether there was a group to abort."""
+    unblock a pending collective). A group being formed: the connections opened for it are
+    shut down, so that a rendezvous waiting for a peer lost meanwhile fails now rather than
+    at failure.collective_timeout_s. Whether there was a group to abort."""
+    before = _forming_before
+    if before is not None:
+        return _shut_down({**_hosted_sockets, **_opened_since(before)}) > 0
     if not dist.is_initialized():
         return False
     if dist.get_backend() == "nccl":

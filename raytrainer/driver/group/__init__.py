@@ -22,7 +22,7 @@ import ray
 
 from ...checkpoint import CheckpointRef
 from ...config import Config
-from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
+from ...contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Status
 from ...errors import NoSurvivors, PlacementError
 from ..policy import choose_snapshot
 from ..storage_check import check_shared_storage
@@ -198,12 +198,15 @@ class RayWorkerGroup:
         scaling, roster = self.config.scaling, self.roster
         world = len(roster.actors)
         leave = [r for r in leave if r not in dead]
-        regrow = [r for r in regrow if r in dead]
-        asked = self._replace(dead, regrow)
         others = [r for r in range(world) if r not in dead]
-        answers = self.forming.answers(others, "status")
-        holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
-        source, state_ref, at = self.forming.take_state(holders, avoid=leave)
+        regrow = [r for r in regrow if r in dead] if others else []  # someone must go on
+        asked = self._replace(dead, regrow)
+        try:
+            answers = self.forming.answers(others, "status")
+            holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
+            source, state_ref, at = self.forming.take_state(holders, avoid=leave)
+        except ReformFailed as exc:  # before the ranks are renumbered: those left behind are gone too
+            raise ReformFailed(exc.failures, sorted(set(exc.dead) | set(regrow)), world) from None
         moved: dict[int, Node] = {}
         for rank in leave:  # its state is secured: it goes, for its replacement if up
             self.kill(rank)
@@ -241,7 +244,10 @@ class RayWorkerGroup:
                 calls[rank] = (holders[old].position != at.position, state_ref)
             else:
                 calls[rank] = (None, state_ref)
-        self.forming.form(calls, self.use_gpu)
+        try:
+            self.forming.form(calls, self.use_gpu)
+        except ReformFailed as exc:
+            raise ReformFailed(exc.failures, exc.dead, len(roster.actors)) from None
         self.forming.clear()
         self._restock()
         return Reformed(step=at.step, nodes=list(roster.nodes), source=source,

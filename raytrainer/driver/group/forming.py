@@ -26,7 +26,7 @@ from ...config import Config
 from ...contract import Failure, Holdings, ReformFailed, Snapshot, Status
 from ...errors import CheckpointCorrupt, NoSurvivors
 from ..policy import choose_state
-from .actors import Roster, ask, outcome
+from .actors import Roster, ask, control, outcome
 
 
 class Forming:
@@ -127,9 +127,10 @@ class Forming:
     def form(self, calls: dict[int, tuple[bool | None, Any]], use_gpu: bool) -> dict[int, Any]:
         """Form the group over all the roster's actors: per rank (None: build the task with
         `setup`; True/False: `regroup`, taking the state or not) and the state's reference.
-        Returns each rank's result. If a call fails, the others get FORM_GRACE_S to return,
-        those still blocked (waiting for the lost peer) are killed, and ReformFailed says
-        who."""
+        Returns each rank's result. If a call fails, the others are asked to abort the
+        forming (their rendezvous would wait for the lost peer until the collective timeout)
+        and get FORM_GRACE_S to return, each then a survivor holding what it held; those
+        still blocked (frozen, or not answering) are killed, and ReformFailed says who."""
         actors = self.roster.actors
         world = len(actors)
         refs: dict[Any, int] = {}
@@ -145,7 +146,7 @@ class Forming:
                 refs[actors[rank].setup.remote(rank, world, addr, port, use_gpu, state)] = rank
             else:
                 refs[actors[rank].regroup.remote(rank, world, addr, port, state if take else None)] = rank
-        results, failures, pending = self.wait_answering(refs, grace_s=self.FORM_GRACE_S)
+        results, failures, pending = self.wait_answering(refs, grace_s=self.FORM_GRACE_S, abort=True)
         if not failures:
             return results
         lost = sorted({f.rank for f in failures if f.kind != "interrupted"} | set(pending))
@@ -153,9 +154,11 @@ class Forming:
             self.kill(rank)
         raise ReformFailed(failures, lost)
 
-    def wait_answering(self, refs: dict[Any, int], grace_s: float) -> tuple[dict[int, Any], list[Failure], list[int]]:
+    def wait_answering(self, refs: dict[Any, int], grace_s: float,
+                       abort: bool = False) -> tuple[dict[int, Any], list[Failure], list[int]]:
         """Wait for the calls `refs` (ref -> rank) to return: their results and failures,
-        and the ranks still pending. After the first failure the others get `grace_s`. A
+        and the ranks still pending. After the first failure the others get `grace_s`
+        (with `abort`, asked to abort what they wait in, as a group forming does). A
         worker frozen meanwhile would hold the others (in a rendezvous, until
         failure.collective_timeout_s) or this wait: one that has not answered its control
         channel for step_timeout_s is hung. So is one that answers but has not reached the
@@ -169,13 +172,21 @@ class Forming:
         # rank -> (before, in or past the rendezvous, since when it was seen there)
         where = {rank: ("before", time.monotonic()) for rank in refs.values()}
         timeout_s = self.config.failure.step_timeout_s
+
+        def fail(failure: Failure) -> None:
+            nonlocal deadline
+            failures.append(failure)
+            if deadline is None:
+                deadline = time.monotonic() + grace_s
+                for rank in (refs[ref] for ref in pending if abort and refs[ref] != failure.rank):
+                    control(self.roster.actors[rank], "abort").remote()
+
         while pending and (deadline is None or time.monotonic() < deadline):
             ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             for ref in ready:
                 result = outcome(self.roster, refs[ref], ref)
                 if isinstance(result, Failure):
-                    failures.append(result)
-                    deadline = deadline or time.monotonic() + grace_s
+                    fail(result)
                 else:
                     results[refs[ref]] = result
             if ready or timeout_s is None:
@@ -188,16 +199,13 @@ class Forming:
                     if at != where[rank][0]:
                         where[rank] = (at, now)
                 elif now - answered[rank] > timeout_s and rank not in {f.rank for f in failures}:
-                    failures.append(Failure(rank, "hung", f"did not answer for {timeout_s:g} s "
-                                            "(failure.step_timeout_s) while the group re-formed", None,
-                                            self.roster.ip(rank)))
-                    deadline = deadline or now + grace_s
+                    fail(Failure(rank, "hung", f"did not answer for {timeout_s:g} s (failure.step_timeout_s) "
+                                 "while the group re-formed", None, self.roster.ip(rank)))
             if any(where[r][0] == "in" and now - where[r][1] > timeout_s for r in waiting):
                 for rank in waiting:
                     if (where[rank][0] == "before" and now - where[rank][1] > timeout_s
                             and now - answered[rank] < timeout_s and rank not in {f.rank for f in failures}):
-                        failures.append(Failure(rank, "hung", f"did not reach the group's rendezvous for "
-                                                f"{timeout_s:g} s (failure.step_timeout_s) while its peers "
-                                                "waited there", None, self.roster.ip(rank)))
-                        deadline = deadline or now + grace_s
+                        fail(Failure(rank, "hung", f"did not reach the group's rendezvous for {timeout_s:g} s "
+                                     "(failure.step_timeout_s) while its peers waited there", None,
+                                     self.roster.ip(rank)))
         return results, failures, [refs[ref] for ref in pending]
