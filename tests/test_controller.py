@@ -318,6 +318,20 @@ def test_a_ready_spare_or_exactness_keeps_the_world_size(tmp_path):
         assert next(e for e in log if e["event"] == "recovered")["spares"] == list(spares)
 
 
+def test_a_worker_silent_once_its_peer_stopped_is_lost_without_waiting_for_ray_to_say_so(tmp_path):
+    # Its node went with it: the peer's collective failed at once, but Ray reports the worker
+    # dead seconds later (its run() call has not ended in any poll here).
+    reformed = Reformed(step=1, nodes=NODES, source=0, replaced=[1])
+    group = FailingGroup([Poll(rows(1)), Poll(failures=[interrupted(0)]), Poll(), Poll(),
+                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed])
+    controller, events = recovering(tmp_path, group, max_failures=1)
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert ("kill", 1) in group.calls and ("reform", (1,)) in group.calls
+    failed = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "worker_failed")
+    assert (failed["rank"], failed["kind"]) == (1, "died") and "did not answer" in failed["cause"]
+
+
 def test_a_run_left_below_min_workers_fails_once_its_replacements_are_overdue(tmp_path):
     from raytrainer.errors import PlacementError
 
