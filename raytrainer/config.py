@@ -234,11 +234,13 @@ class ScalingConfig:
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     placement_timeout_s: float = 60.0
-    """How long to wait for the cluster to place min_workers workers before failing (at
-    the start, and when a failure leaves fewer than min_workers)."""
+    """How long to wait for the cluster to place min_workers workers before failing: at the
+    start, and when a failure leaves fewer than min_workers (with failure.recovery fast the
+    survivors train meanwhile)."""
     replace_timeout_s: float = 10.0
-    """Elastic runs: how long a lost worker's replacement may take to be placed before the
-    survivors (at least min_workers) go on without it."""
+    """Elastic runs: how long a replacement may take to be placed before the survivors (at
+    least min_workers) go on without it: a lost worker's with failure.recovery exact (fast
+    goes on at once), a worker's leaving a node being drained."""
 
     def __post_init__(self):
         for key in ("num_workers", "min_workers", "max_workers"):

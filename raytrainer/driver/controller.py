@@ -364,12 +364,12 @@ class Controller:
                 return failed, finished, killed
             if stopped_at is None and any(f.kind == "interrupted" for f in failed.values()):
                 stopped_at = time.monotonic()
-            if stopped_at is not None:
+            if stopped_at is not None and time.monotonic() - stopped_at > self.SILENT_AFTER_S:
                 for rank in self._silent(exclude=settled):
                     self.group.kill(rank)
                     killed.add(rank)
-                    absorb([Failure(rank, "died", "did not answer once its peers had stopped: its process, "
-                                    "or its node, is gone", None, self._node_ip(rank))])
+                    absorb([Failure(rank, "died", "the worker died: it did not answer once its peers had "
+                                    "stopped (its process, or its node, is gone)", None, self._node_ip(rank))])
             if stopped_at is not None and time.monotonic() - stopped_at > self.UNBLOCK_AFTER_S:
                 for rank in self._blocked(exclude=settled):
                     self.group.kill(rank)
@@ -388,6 +388,10 @@ class Controller:
     # shut-down connections (abort above, and each survivor's as it leaves) did not fail,
     # which would wait for failure.collective_timeout_s. The state is in the stopped ones.
     UNBLOCK_AFTER_S = 2.0
+
+    # After a survivor stopped, how long Ray gets to report a worker's death itself (with its
+    # cause: an OOM kill, a segfault) before one that does not answer is taken for dead.
+    SILENT_AFTER_S = 0.5
 
     def _silent(self, exclude: set[int]) -> list[int]:
         """The workers (not in `exclude`) that do not answer their control channel, asked at
