@@ -247,6 +247,7 @@ def faults_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
            "step_timeout_s": spec["faults_step_timeout_s"], "load_samples": loads,
            "failures": sum(e["event"] == "worker_failed" for e in result.events),
            **compare_weights(base.run_dir / "model.pt", result.run_dir / "model.pt"),
+           **compare_losses(base.history, result.history),
            **summary(faults), "node": node, "undisturbed_run_dir": str(base.run_dir)}
     if injected["error"] or len(injected["faults"]) < len(plan):
         out["incomplete"] = (f"{len(injected['faults'])} of {len(plan)} faults injected"
@@ -264,6 +265,21 @@ def compare_weights(a_path: Path, b_path: Path) -> dict[str, Any]:
     close = a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5) for k in a)
     diff = max((float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b), default=float("nan"))
     return {"bit_identical": identical, "within_tolerance": close, "max_abs_diff": 0.0 if identical else diff}
+
+
+def compare_losses(base: list[dict[str, Any]], faulted: list[dict[str, Any]]) -> dict[str, Any]:
+    """The training losses of the two runs: the first step where they differ (None: never),
+    the largest relative difference there, and the mean loss over the last tenth of the
+    steps, faulted over undisturbed. A resize changes sums' order only, but over thousands
+    of steps such rounding grows (a chaotic trajectory): the losses say whether the runs
+    still train alike."""
+    a, b = ({r["step"]: r["loss"] for r in rows if "loss" in r} for rows in (base, faulted))
+    steps = sorted(set(a) & set(b))
+    first = next((s for s in steps if a[s] != b[s]), None)
+    tail = steps[-max(1, len(steps) // 10):]
+    return {"identical_until_step": None if first is None else first - 1,
+            "first_difference_rel": abs(a[first] - b[first]) / abs(a[first]) if first is not None and a[first] else 0.0,
+            "loss_ratio_last_tenth": sum(b[s] for s in tail) / sum(a[s] for s in tail) if tail else None}
 
 
 def recoveries(injected: list[dict[str, Any]], events: list[dict[str, Any]], rows: list[tuple[int, float]],
