@@ -76,6 +76,15 @@ NAMES = [
 ]
 
 
+def test_a_placement_group_can_still_be_soft_targeted_at_a_node():
+    """driver/_internals.single_slot_on: ray.util.placement_group's private keyword."""
+    from ray.util.placement_group import placement_group
+
+    assert "_soft_target_node_id" in inspect.signature(placement_group).parameters, (
+        f"{RAY}: placement_group lost _soft_target_node_id, which places each worker's own group on the "
+        "node the first gang placement chose (driver/_internals.single_slot_on)")
+
+
 @pytest.mark.parametrize("whose,module,name,why", NAMES, ids=[f"{m}.{n}" for _, m, n, _ in NAMES])
 def test_the_private_names_raytrainer_uses_exist(whose, module, name, why):
     found = _module(module)

@@ -66,3 +66,16 @@ def is_placement_group_resource(key: str) -> bool:
     names them "<resource>_group_<pg id>" and "<resource>_group_<index>_<pg id>"): left out
     of the resources an error message lists. Without it: those lines list them too."""
     return "_group_" in key
+
+
+def single_slot_on(bundle: dict[str, float], node_id: str):
+    """A placement group of one bundle that Ray places on `node_id` if it has room, else
+    anywhere (ray.util.placement_group's private `_soft_target_node_id`, which Ray Serve uses;
+    it needs the STRICT_PACK strategy). The group's slots start as one group of all
+    min_workers bundles, placed at once with the user's strategy, then are traded for one
+    group each on the same nodes (group/slots.py: a lost node's bundle of a shared group
+    cannot be given back). Without it: the single groups land wherever Ray puts them, and
+    scaling.placement (PACK, SPREAD) holds for the first placement only by chance."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=node_id)

@@ -30,6 +30,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ...config import Config
 from ...contract import Node
 from ...errors import PlacementError
+from .._internals import single_slot_on
 from ..policy import keep_waiting_for_placement
 from .actors import Roster, Slot, resources_text, start_worker
 
@@ -58,9 +59,8 @@ class Slots:
         nodes = placement_group_table(gang)["bundles_to_node_id"]
         remove_placement_group(gang)
         # The same nodes, one group each (a soft target: were the room taken meanwhile,
-        # another node serves).
-        self.pgs = [placement_group([self.bundle], strategy="STRICT_PACK", _soft_target_node_id=nodes[i])
-                    for i in range(scaling.min_workers)]
+        # another node serves; _internals.single_slot_on).
+        self.pgs = [single_slot_on(self.bundle, nodes[i]) for i in range(scaling.min_workers)]
         self._wait_ready(self.pgs, t0)
         slots = [(pg, 0) for pg in self.pgs]
         # Only now: single bundles asked for first could take the room the core needs.
