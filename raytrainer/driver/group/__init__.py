@@ -294,25 +294,23 @@ class RayWorkerGroup:
 
     def _replace(self, dead: list[int], regrow: list[int] = ()) -> dict[int, Any]:
         """Kill the `dead` ranks' workers and start their replacements: the one started for
-        a draining node's rank, else a warm spare that is up on its node, else a new worker
-        in the rank's slot (a new slot if the node is lost); none for the ranks in `regrow`
-        (reform starts theirs later). Returns, by rank, the node() call a replacement
-        already answers (a spare's, made as it started), for wait_placed: one call fewer."""
+        a draining node's rank, else a warm spare that is up on its node (in the rank's
+        slot), else a new worker in a new slot (its node may be lost: slots.py); none for the
+        ranks in `regrow` (reform starts theirs later). Returns, by rank, the node() call a
+        replacement already answers (a spare's, made as it started), for wait_placed."""
         roster = self.roster
         asked: dict[int, Any] = {}
-        renewed = self.slots.renew_lost([roster.slots[r] for r in dead])
         for rank in dead:
             self.kill(rank)
-            roster.slots[rank] = renewed.get(roster.slots[rank], roster.slots[rank])
             if rank in self.moves:  # its node was drained: its replacement is elsewhere
                 self.moves.take(roster, rank, wait=True)
                 continue
-            if rank in regrow:
-                continue
-            taken = self.spares.take(roster.nodes[rank].node_id)
+            taken = None if rank in regrow else self.spares.take(roster.nodes[rank].node_id)
             if taken is not None:
                 roster.actors[rank], asked[rank] = taken
-            else:
+                continue
+            roster.slots[rank] = self.slots.renew(roster.slots[rank])
+            if rank not in regrow:
                 roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
         # Replacements of the ranks left behind, and the next spares, start once the group
         # has formed (_restock), not now: starting a process and importing torch took the

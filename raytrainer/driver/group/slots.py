@@ -13,8 +13,12 @@ the lost bundle, and while that bundle finds no room the GCS retries it without 
 taking a core for as long as it stays so (Ray 2.60: `SchedulePendingPlacementGroups` run 5
 million times in two minutes, the GCS and the head's dashboard agent at 40 to 60% of a core
 each, the workers twentyfold slower; ray-project/ray#65970). A multi-bundle group cannot
-give one bundle back without its other workers, so a slot whose node is lost has its group
-removed and a new one asked for (`renew_lost`): a pending group is retried with backoff.
+give one bundle back without its other workers. So a lost worker's slot gets a new group
+(`renew`) unless a warm spare takes it over, before Ray knows whether its node is gone
+(Ray holds a node dead only after its health checks fail, 13-15 s here): a pending group is
+retried with backoff, and one on a node still alive is placed there again at once. A free
+slot whose node is lost since (its group rescheduling) is renewed the same way
+(`renew_lost`, at every look for room).
 """
 
 from __future__ import annotations
@@ -97,19 +101,24 @@ class Slots:
             self.pgs.remove(slot[0])
             remove_placement_group(slot[0])
 
+    def renew(self, slot: Slot) -> Slot:
+        """A new group in place of `slot`'s (removed), pending until the cluster has room."""
+        pg, new = slot[0], placement_group([self.bundle])
+        if pg in self.pgs:
+            self.pgs[self.pgs.index(pg)] = new
+            remove_placement_group(pg)
+        else:
+            self.pgs.append(new)
+        return new, 0
+
     def renew_lost(self, slots: Iterable[Slot], tables: dict[Any, dict] | None = None) -> dict[Slot, Slot]:
-        """Of `slots`, those whose node is lost (their group rescheduling), each given a new
-        group in place of its own, pending until the cluster has room: old -> new.
-        `tables`: their groups' placement_group_table entries, if already read."""
+        """Of `slots`, those whose node is lost (their group rescheduling), each renewed:
+        old -> new. `tables`: their groups' placement_group_table entries, if already read."""
         renewed = {}
         for pg in {pg for pg, _ in slots if pg in self.pgs}:
             table = tables[pg] if tables and pg in tables else placement_group_table(pg)
-            if table.get("state") != "RESCHEDULING":
-                continue
-            new = placement_group([self.bundle])
-            self.pgs[self.pgs.index(pg)] = new
-            remove_placement_group(pg)
-            renewed[(pg, 0)] = (new, 0)
+            if table.get("state") == "RESCHEDULING":
+                renewed[(pg, 0)] = self.renew((pg, 0))
         return renewed
 
     def starting(self) -> bool:
