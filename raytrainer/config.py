@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -755,7 +756,23 @@ def load_config(source: str | Path | dict[str, Any], overrides: typing.Iterable[
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return _build(Config, apply_overrides(raw, overrides), "")
+    return _build(Config, apply_overrides(_renamed(raw), overrides), "")
+
+
+def _renamed(raw: dict[str, Any]) -> dict[str, Any]:
+    """Keys an earlier raytrainer wrote, read as their new names, so that its run
+    directories (config.yaml) still resume: failure.warm_spare (true/false) is now
+    failure.warm_spares (a count)."""
+    failure = raw.get("failure")
+    if isinstance(failure, dict) and isinstance(failure.get("warm_spare"), bool):
+        if "warm_spares" in failure:
+            raise ConfigError("failure.warm_spare and failure.warm_spares are both set: "
+                              "keep warm_spares (a count), the newer name")
+        old = failure.pop("warm_spare")
+        failure["warm_spares"] = int(old)
+        warnings.warn(f"failure.warm_spare: {str(old).lower()} is now failure.warm_spares: "
+                      f"{int(old)} (a count of spares); read as such", FutureWarning, stacklevel=3)
+    return raw
 
 
 def _deepcopy(data: Any) -> Any:

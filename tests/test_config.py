@@ -100,6 +100,15 @@ def test_num_workers_set_alone_resizes_a_resolved_fixed_size_config():
         load_config(elastic, ["scaling.num_workers=1"])
 
 
+def test_an_earlier_run_dirs_warm_spare_reads_as_warm_spares(tmp_path):
+    # config.yaml of a run written before failure.warm_spares must still resume
+    old = dict(BASE, failure={"warm_spare": False})
+    with pytest.warns(FutureWarning, match="failure.warm_spares: 0"):
+        assert load_config(old).failure.warm_spares == 0
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(dict(BASE, failure={"warm_spare": True, "warm_spares": 2}))
+
+
 def test_missing_file_and_missing_section(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
