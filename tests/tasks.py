@@ -30,7 +30,7 @@ class RegressionTask(Task):
 
     def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
-                 saving_marker=None, stall_pid_file=None, hidden=16):
+                 saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
         self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
@@ -42,6 +42,7 @@ class RegressionTask(Task):
         # <prefix><pid> and then takes a second, so a test can act while it is under way.
         self.saving_marker = saving_marker
         self.hidden = hidden  # the model's width (its state: ~48 bytes per unit with SGD momentum)
+        self.stall_step_file = stall_step_file  # while it names a worker, its steps stall (see _stall)
         self.steps = 0
 
     def build_model(self):
@@ -85,6 +86,8 @@ class RegressionTask(Task):
             import time
 
             time.sleep(self.sleep_s)
+        if self.stall_step_file:
+            _stall(self.stall_step_file)
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             import torch.distributed as dist
 

@@ -143,7 +143,11 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert kills["raytrainer"]["contender_settings"]["checkpoint"]["every_n_steps"] == smoke.kill_checkpoint_every
     assert sorted(report["contender_settings"]["ray_train"]) == ["kill", "train"]
     rec = kills["raytrainer"]["recovered_event"]
-    assert kills["raytrainer"]["steps_lost"] == rec["steps_lost"] and rec["replaced"] == [smoke.workers - 1]
+    assert kills["raytrainer"]["steps_lost"] == rec["steps_lost"]
+    # The killed rank was taken by the warm spare, or (none up yet, on a busy machine) left
+    # behind while its replacement started (failure.recovery: fast).
+    killed = [smoke.workers - 1]
+    assert (rec["spares"], rec["dropped"]) in ((killed, []), ([], killed)), rec
     for key in ("kill_to_first_step_s", "steps_lost"):
         fig = figures[key]
         assert fig["status"] == "measured" and set(fig["medians"]) == {"ray_train", "raytrainer"}

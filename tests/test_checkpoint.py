@@ -292,7 +292,11 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     trainer = {"max_epochs": 8}  # 64 steps of >= 50 ms: the kill lands well before the end
     reference = raytrainer.train(config(tmp_path, "reference", task=task, trainer=trainer), progress=False)
 
-    cfg = config(tmp_path, "killed", task=task, trainer=trainer)
+    # Its workers stall in their steps once the driver is to die: they outlive it by a moment
+    # (until Ray's fate-sharing takes them), and must not train on to the end meanwhile.
+    stall = tmp_path / "stall"
+    cfg = config(tmp_path, "killed", task={"args": {**task["args"], "stall_step_file": str(stall)}},
+                 trainer=trainer)
     path = tmp_path / "killed.yaml"
     import yaml
 
@@ -313,6 +317,7 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     # The local Ray it started runs its workers at nice 0, not Ray's 15 (api.init_ray).
     (pids,) = [json.loads(line)["pids"] for line in lines if '"group_formed"' in line]
     assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0, 0]
+    stall.write_text("!")  # every worker
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     # Its workers go with its Ray (Ray's fate-sharing), but not at once on a loaded machine:
@@ -323,6 +328,7 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
         time.sleep(0.2)
     assert alive == [], f"the killed driver's workers {alive} outlived it by 60 s"
     assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run
+    stall.unlink()
 
     proc = subprocess.run([sys.executable, "-m", "raytrainer", "resume", str(tmp_path / "killed"),
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)

@@ -520,3 +520,18 @@ def test_a_checkpoint_the_workers_find_corrupt_is_skipped_for_the_next_older(tmp
     log = read(tmp_path / "events.jsonl")
     assert [(e["event"], e["step"]) for e in log if e["event"] in ("checkpoint_skipped", "resumed")] == [
         ("checkpoint_skipped", 6), ("resumed", 4)]
+
+
+def test_your_own_loop_counts_as_a_batch_that_follows_the_world_size():
+    # A fixed-size run of your own loop is never shrunk behind its back (its batches may be
+    # per worker, as a Hugging Face Trainer's are): a lost worker is waited for, unless a
+    # spare is up; a Task run with the default fixed_global batch goes on without it.
+    from raytrainer.config import load_config
+
+    base = {"trainer": {"max_steps": 4}, "scaling": {"num_workers": 2}}
+    loop = load_config({**base, "task": {"loop": "tests.tasks:regression_loop"}})
+    task = load_config({**base, "task": {"target": "tests.tasks:RegressionTask"}})
+    per_worker = load_config({**base, "task": {"target": "tests.tasks:RegressionTask"}},
+                             ["trainer.batch_policy=per_worker"])
+    assert ControllerSettings.of(loop).per_worker_batch and ControllerSettings.of(per_worker).per_worker_batch
+    assert not ControllerSettings.of(task).per_worker_batch

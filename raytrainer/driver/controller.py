@@ -84,7 +84,9 @@ class ControllerSettings:
     """scaling.placement_timeout_s: how long a run that went on below min_workers after a
     failure (failure.recovery: fast) waits for its replacements to be up before it fails."""
     per_worker_batch: bool = False
-    """trainer.batch_policy is per_worker: the global batch changes with the world size."""
+    """The global batch changes with the world size: trainer.batch_policy is per_worker, or
+    the run is your own loop (its batches are its own: raytrainer cannot tell whether they
+    are per worker, as a Hugging Face Trainer's are)."""
     poll_interval_s: float = 0.2
     """How long a poll waits for a worker's run() to end while the group forms or recovers."""
     max_poll_s: float = 1.0
@@ -100,7 +102,7 @@ class ControllerSettings:
         scaling = config.scaling
         return cls(min_workers=scaling.min_workers, max_workers=scaling.max_workers, failure=config.failure,
                    replace_timeout_s=scaling.replace_timeout_s, placement_timeout_s=scaling.placement_timeout_s,
-                   per_worker_batch=config.trainer.batch_policy == "per_worker")
+                   per_worker_batch=config.trainer.batch_policy == "per_worker" or config.task.is_loop)
 
 
 @dataclass(kw_only=True)

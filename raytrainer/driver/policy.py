@@ -163,8 +163,9 @@ def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, r
     Waited for instead: every lost rank of sharded state (a survivor holds its own shards
     only: the group goes back to a peer snapshot at the same world size); every one when the
     user asked for exactness (failure.recovery: exact); every one of a fixed-size run whose
-    batch is per worker (trainer.batch_policy: per_worker: its global batch, and its LR,
-    would change); and all of them when none would survive (a checkpoint is the way back).
+    batch is per worker (trainer.batch_policy: per_worker, or your own loop, whose batches
+    raytrainer does not know: its global batch, and its LR, would change; an elastic run
+    said it may change); and all of them when none would survive (a checkpoint is the way back).
     `spares_ready`: the lost ranks a ready spare can take (one on the node of the rank's slot;
     none for GPU workers, which need their GPU at creation)."""
     lost = sorted(set(lost))
@@ -174,8 +175,9 @@ def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, r
         return Replacing(spares=spares, reason="warm spares take every lost rank")
     why_wait = ("sharded state: peer snapshots restore the same world size" if not replicated
                 else "failure.recovery is exact" if exact
-                else "trainer.batch_policy is per_worker in a fixed-size run: a smaller world would train a "
-                     "smaller global batch" if not (global_batch_fixed or elastic)
+                else "a fixed-size run whose global batch follows the world size (trainer.batch_policy "
+                     "per_worker, or your own loop): a smaller world would train a smaller global batch"
+                if not (global_batch_fixed or elastic)
                 else "no worker survived to go on with" if len(lost) >= world
                 else "")
     if why_wait:
