@@ -379,8 +379,8 @@ class FailureConfig:
     """Sharded state (trainer.strategy: fsdp): every this many optimizer steps each worker
     copies its shards of the training state to host memory and to one peer's, so that a
     lost worker's state is recovered from its peer and the run replays at most this many
-    steps, reading no checkpoint (see the README for the memory it takes). 0: recover
-    from the newest checkpoint instead. Replicated state (ddp) needs none: every survivor
+    steps, reading no checkpoint (the memory it takes: docs/fault-tolerance.md, "FSDP: peer
+    snapshots"). 0: recover from the newest checkpoint instead. Replicated state (ddp) needs none: every survivor
     holds it."""
     chaos: list[ChaosFault] = field(default_factory=list)
     """Faults to inject (see ChaosFault)."""

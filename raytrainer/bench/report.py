@@ -498,7 +498,7 @@ def _fmt(value: float | None) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """A Markdown table of medians and ratios (it goes into the README as is)."""
+    """A Markdown table of medians and ratios (it goes into docs/benchmarks.md as is)."""
     raw = report.get("contenders", LABELS)["raw"]  # raw FSDP2 with --strategy fsdp
     head = ["figure", raw, "Ray Train", "raytrainer", "raytrainer/raw", "raytrainer/Ray Train", "target"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
