@@ -288,8 +288,8 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(ray_local, tmp_path):
 
 
 def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
-    task = {"args": {"dropout": 0.2, "sleep_s": 0.05}}
-    trainer = {"max_epochs": 8}  # 64 steps of >= 50 ms: the kill lands well before the end
+    task = {"args": {"dropout": 0.2, "sleep_s": 0.02}}
+    trainer = {"max_epochs": 8}  # 64 steps of >= 20 ms: the stall comes well before the end
     reference = raytrainer.train(config(tmp_path, "reference", task=task, trainer=trainer), progress=False)
 
     # Its workers stall in their steps once the driver is to die: they outlive it by a moment
@@ -330,6 +330,8 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run
     stall.unlink()
 
+    # The resume joins the tests' Ray (a run given RAY_ADDRESS), as a user's on a cluster would.
+    env["RAY_ADDRESS"] = ray_local.get_runtime_context().gcs_address
     proc = subprocess.run([sys.executable, "-m", "raytrainer", "resume", str(tmp_path / "killed"),
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr

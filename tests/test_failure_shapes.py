@@ -297,7 +297,7 @@ def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(r
 
     stall = tmp_path / "stall-pids"
     cfg = config(tmp_path, "failed-re-form", stall_pid_file=str(stall))
-    cfg["failure"].update(step_timeout_s=120, collective_timeout_s=15)
+    cfg["failure"].update(step_timeout_s=120, collective_timeout_s=8)  # the wait for the init to time out
     group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
     try:
         nodes = group.start()
