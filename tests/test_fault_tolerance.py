@@ -80,6 +80,32 @@ def test_kills_with_loader_processes_end_bit_identical_and_leave_none_behind(und
     assert_no_loader_processes()
 
 
+def test_a_spare_that_does_not_answer_is_not_counted_on_though_its_node_looks_alive(ray_local, tmp_path):
+    """A spare gone with its node stays "up" to Ray until its health checks fail (~15 s);
+    a recovery that counted on it failed and started over. Here its process is SIGKILLed on
+    a node that is alive: it answered once, and must answer again to be counted on."""
+    import ray
+
+    from raytrainer.config import load_config
+    from raytrainer.driver.group.actors import start_spare
+    from raytrainer.driver.group.spares import WarmSpares
+
+    spares = WarmSpares(load_config(config(tmp_path, "spare")), 1)
+    node = ray.get_runtime_context().get_node_id()
+    actor = start_spare(spares.config, node)
+    spares.spares.append((actor, actor.node.remote(), node))
+    try:
+        pid = ray.get(spares.spares[0][1], timeout=120).pid
+        assert spares.ready_on([node, node]) == [True, False]  # one spare, one place
+        kill(pid)
+        t0 = time.monotonic()
+        assert spares.ready_on([node]) == [False] and spares.spares == []  # let go
+        assert time.monotonic() - t0 < 5
+    finally:
+        spares.shutdown()
+    assert_no_leaks()
+
+
 def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_local, tmp_path):
     """No spare while the workers build their task and take their first step (it would
     import torch on their cores); failure.warm_spares of them once training runs; lost

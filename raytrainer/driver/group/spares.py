@@ -10,7 +10,10 @@ formed and no lost worker's replacement is still starting, so that its start tak
 cores from the recovery. A spare imports torch on a thread at nice 19
 (worker.actor._Imports), so that training keeps the cores meanwhile, and is ready once it
 answers its node() call; only a ready one is taken: one still importing at the lowest
-priority can take longer than a cold start at the workers' own on a busy machine.
+priority can take longer than a cold start at the workers' own on a busy machine. Before a
+recovery counts on one, it must answer again, within PING_S: a spare on a node lost a moment
+ago is gone with it while Ray still holds the node alive (for its health checks, ~15 s), and a
+recovery that took it failed and started over (2 s in a node-loss test).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from .actors import Roster, alive_nodes, start_spare
 
 
 class WarmSpares:
+    PING_S = 0.5
+    """How long a spare that was up gets to answer again before a recovery counts on it."""
+
     def __init__(self, config: Config, count: int):
         self.config, self.count = config, count
         self.spares: list[tuple[Any, Any, str]] = []  # (actor, its node() call, the node it is pinned to)
@@ -46,10 +52,12 @@ class WarmSpares:
     def ready_on(self, node_ids: list[str]) -> list[bool]:
         """For each of `node_ids` in turn, whether a spare that is up there (and not counted
         for an earlier one) could take a worker's place now."""
-        free = Counter(node for _, ref, node in self._alive() if _answered(ref))
-        if free:  # a node lost a moment ago: its spares are gone with it, not yet seen so
+        wanted = set(node_ids)
+        up = [s for s in self._alive() if s[2] in wanted and _answered(s[1])]
+        if up:  # a node lost a moment ago: its spares are gone with it, not yet seen so
             alive = alive_nodes()
-            free = Counter({node: n for node, n in free.items() if node in alive})
+            up = self._answering([s for s in up if s[2] in alive])
+        free = Counter(node for _, _, node in up)
         out = []
         for node in node_ids:
             out.append(free[node] > 0)
@@ -75,6 +83,20 @@ class WarmSpares:
         for actor, _, _ in self.spares:
             ray.kill(actor, no_restart=True)
         self.spares = []
+
+    def _answering(self, spares: list[tuple[Any, Any, str]]) -> list[tuple[Any, Any, str]]:
+        """Of `spares`, those that answer a call within PING_S; the others are let go (their
+        process, or their node, is gone; one is started again at the next start())."""
+        refs = [actor.node.remote() for actor, _, _ in spares]
+        ray.wait(refs, num_returns=len(refs), timeout=self.PING_S)
+        out = []
+        for spare, ref in zip(spares, refs):
+            if _answered(ref):
+                out.append(spare)
+            else:
+                ray.kill(spare[0], no_restart=True)
+                self.spares.remove(spare)
+        return out
 
     def _alive(self) -> list[tuple[Any, Any, str]]:
         """The spares, less those that died (with their node?): replaced at the next start."""
