@@ -1,7 +1,13 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+import uuid
 
 import pytest
+
+from .ray_procs import SESSION_TAG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Workers import tasks by path (tests.tasks:..., examples....): run from the repo root.
@@ -12,6 +18,17 @@ if ROOT not in sys.path:
 # the next ones: driver/localray.py): no Ray outlives the test that started it, and none is
 # joined by a later test. tests/test_localray.py turns keeping on where it tests it.
 os.environ.setdefault("RAYTRAINER_KEEP_RAY", "0")
+
+# This session's Rays apart from any other's on the machine (pytest-xdist runs two sessions
+# side by side; `-n 2` in the README's command): a cluster_utils head records its address in
+# $RAY_TMPDIR/ray/ray_current_cluster, which a run given no address would join (as it joins a
+# `ray start`). Every process the session starts inherits both variables; SESSION_TAG tells
+# its processes from the other session's (ray_procs.live_processes).
+_SESSION_TMP = tempfile.mkdtemp(prefix=f"rt{os.environ.get('PYTEST_XDIST_WORKER', '')}-", dir="/tmp")
+os.makedirs(os.path.join(_SESSION_TMP, "ray"))
+os.environ["RAY_TMPDIR"] = _SESSION_TMP
+os.environ[SESSION_TAG] = uuid.uuid4().hex
+atexit.register(shutil.rmtree, _SESSION_TMP, True)  # after Ray's own exit handlers (registered later)
 
 
 # ---------------------------------------------------------------------------- Ray, shared
@@ -93,6 +110,11 @@ def cluster_with(cluster, nodes: int):
 
 
 def _order(item) -> int:
+    if item.path.name == "test_bench.py" and os.environ.get("PYTEST_XDIST_WORKER"):
+        # Beside another session (-n 2) the bench, the longest module by far (its runs take
+        # turns with the other session's tests, not with each other), goes first: last, it
+        # ran alone for its last minutes.
+        return -1
     if item.path.name in SUBPROCESS_MODULES:
         return 3
     return max((SHARED_RAY.get(f, 0) for f in item.fixturenames), default=0)
@@ -139,7 +161,7 @@ def loader_processes() -> list[str]:
     is not counted; the loader processes it forked are."""
     from .ray_procs import live_processes
 
-    return [f"{pid} (parent {ppid}): {cmdline[:80]!r}" for pid, ppid, cmdline in live_processes()
+    return [f"{pid} (parent {ppid}): {cmdline[:80]!r}" for pid, ppid, cmdline in live_processes(ours_only=True)
             if b"raytrainer.worker.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()]
 
 

@@ -11,6 +11,9 @@ import socket
 import tempfile
 import time
 
+SESSION_TAG = "RAYTRAINER_TEST_SESSION"
+"""Set by conftest.py for the session: every process it starts inherits it."""
+
 
 def parent(pid: int) -> int:
     """The parent pid of a process (a Ray worker's is its node's raylet)."""
@@ -36,14 +39,21 @@ def token_env() -> dict:
     return env
 
 
-def live_processes():
-    """(pid, parent pid, command line) of every live (not zombie) process but this one."""
+def live_processes(ours_only: bool = False):
+    """(pid, parent pid, command line) of every live (not zombie) process but this one; with
+    `ours_only`, of those this test session started (they inherit its SESSION_TAG: another
+    session, pytest-xdist's other worker, runs the same code beside it)."""
+    tag = f"{SESSION_TAG}={os.environ.get(SESSION_TAG)}".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
             with open(f"/proc/{pid}/stat") as f:
                 state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            if ours_only:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if tag not in f.read().split(b"\0"):
+                        continue
         except OSError:
             continue
         if int(pid) != os.getpid() and state != "Z":
@@ -78,7 +88,7 @@ def local_cluster(nodes: int):
     import ray
     from ray.cluster_utils import Cluster
 
-    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes its head's address there
+    os.makedirs(os.path.join(os.environ["RAY_TMPDIR"], "ray"), exist_ok=True)  # conftest: Cluster writes its address there
     temp_dir = short_temp_dir()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})

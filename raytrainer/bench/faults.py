@@ -32,7 +32,6 @@ import math
 import os
 import random
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -372,14 +371,10 @@ def _ray_daemons(cluster: Any) -> dict[str, list[int]]:
 def node_loss_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     """See the module's docstring, 2."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from ..driver.api import train
 
-    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes its head's address there
-    temp_dir = tempfile.mkdtemp(prefix="rtb-", dir="/tmp")  # short: Ray's sockets live under it
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "temp_dir": temp_dir})
+    cluster = rt.local_cluster()
     pace = work / "node-pace"
     pace.touch()
     run_dir = work / "bench-node"

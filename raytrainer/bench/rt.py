@@ -155,19 +155,29 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             "peers_run": peers, "checkpoint_run": checkpoint}
 
 
+def local_cluster() -> Any:
+    """A multi-node Ray on this machine (ray.cluster_utils): a head with no CPUs for workers,
+    in a short temp dir of its own (Ray's sockets live under it). Cluster records its head's
+    address where Ray looks for a `ray start` ($RAY_TMPDIR, else $TMPDIR, else /tmp, then
+    ray/), which must exist."""
+    from ray.cluster_utils import Cluster
+
+    os.makedirs(os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray"),
+                exist_ok=True)
+    temp_dir = tempfile.mkdtemp(prefix="rtb-", dir="/tmp")
+    return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                         "temp_dir": temp_dir})
+
+
 def grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     """raytrainer on a local multi-node Ray of `workers` 1-CPU nodes, max_workers one more:
     a node is added once training runs; the figure is rank 0's gap between its last step
     at the old world size and its first at the new one."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from ..driver.api import train
 
-    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes its head's address there
-    temp_dir = tempfile.mkdtemp(prefix="rtb-", dir="/tmp")  # short: Ray's sockets live under it
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+    cluster = local_cluster()
     pace = work / "pace"
     pace.touch()
     run_dir = work / "bench-grow"
