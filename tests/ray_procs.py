@@ -86,12 +86,11 @@ def local_cluster(nodes: int):
     short temp dir: in the default /tmp/ray, any other process's plain ray.init() on
     this machine would find and join it."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    os.makedirs(os.path.join(os.environ["RAY_TMPDIR"], "ray"), exist_ok=True)  # conftest: Cluster writes its address there
+    from raytrainer.bench.rt import local_cluster as head_only
+
     temp_dir = short_temp_dir()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+    cluster = head_only(temp_dir)
     for _ in range(nodes):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

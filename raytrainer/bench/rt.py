@@ -161,16 +161,16 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             "peers_run": peers, "checkpoint_run": checkpoint}
 
 
-def local_cluster() -> Any:
+def local_cluster(temp_dir: str | None = None) -> Any:
     """A multi-node Ray on this machine (ray.cluster_utils): a head with no CPUs for workers,
-    in a short temp dir of its own (Ray's sockets live under it). Cluster records its head's
-    address where Ray looks for a `ray start` ($RAY_TMPDIR, else $TMPDIR, else /tmp, then
-    ray/), which must exist."""
+    in `temp_dir` or a short temp dir of its own (Ray's sockets live under it). Cluster
+    records its head's address where Ray looks for a `ray start` ($RAY_TMPDIR, else $TMPDIR,
+    else /tmp, then ray/), which must exist."""
     from ray.cluster_utils import Cluster
 
     os.makedirs(os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray"),
                 exist_ok=True)
-    temp_dir = tempfile.mkdtemp(prefix="rtb-", dir="/tmp")
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="rtb-", dir="/tmp")
     return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                          "temp_dir": temp_dir})
 

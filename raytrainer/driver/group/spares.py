@@ -76,8 +76,7 @@ class WarmSpares:
     def keep_only_on(self, node_ids: set[str]) -> None:
         """Let go the spares beside no worker any more (they left the spare's node)."""
         for spare in [s for s in self.spares if s[2] not in node_ids]:
-            ray.kill(spare[0], no_restart=True)
-            self.spares.remove(spare)
+            self._let_go(spare)
 
     def shutdown(self) -> None:
         for actor, _, _ in self.spares:
@@ -94,8 +93,7 @@ class WarmSpares:
             if _answered(ref):
                 out.append(spare)
             else:
-                ray.kill(spare[0], no_restart=True)
-                self.spares.remove(spare)
+                self._let_go(spare)
         return out
 
     def _alive(self) -> list[tuple[Any, Any, str]]:
@@ -106,9 +104,12 @@ class WarmSpares:
             except GetTimeoutError:
                 pass
             except (RayActorError, RayTaskError):
-                ray.kill(spare[0], no_restart=True)
-                self.spares.remove(spare)
+                self._let_go(spare)
         return list(self.spares)
+
+    def _let_go(self, spare: tuple[Any, Any, str]) -> None:
+        ray.kill(spare[0], no_restart=True)
+        self.spares.remove(spare)
 
 
 def _answered(ref: Any) -> bool:
