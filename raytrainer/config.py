@@ -9,6 +9,7 @@ in a config silently ignored costs a whole training run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 import warnings
@@ -434,6 +435,9 @@ class RunConfig:
     """auto: continue from the newest committed checkpoint of this run directory, if any;
     never: always start fresh (an existing run directory is an error); or a checkpoint
     directory to start from."""
+    cwd: str | None = field(default=None, repr=False, metadata={"internal": True})
+    """Not a config key: the directory the run was started from (resolve_paths), where the
+    workers work when it exists on their node."""
 
     def __post_init__(self):
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
@@ -443,6 +447,20 @@ class RunConfig:
             raise ConfigError(
                 f"run.storage={self.storage!r}: use a local path, a file:// or an s3:// URI"
             )
+
+
+def resolve_paths(config: Config, cwd: str) -> None:
+    """The config's relative local paths (run.storage, a run.resume path) made absolute against
+    `cwd`, the directory the user ran from, on the driver before any worker sees them: a
+    worker's own working directory is its Ray's (a kept local Ray started from elsewhere, a
+    cluster's), and the run directory is one place, the one the run prints. URIs stay."""
+    def absolute(path: str) -> str:
+        return path if "://" in path else os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
+
+    config.run.cwd = cwd
+    config.run.storage = absolute(config.run.storage)
+    if config.run.resume not in ("auto", "never"):
+        config.run.resume = absolute(config.run.resume)
 
 
 LOGGER_KEYS = {

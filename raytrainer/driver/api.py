@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
-from ..config import Config, dump_config, load_config
+from ..config import Config, dump_config, load_config, resolve_paths
 from ..contract import Resume
 from . import localray
 from .controller import Controller, ControllerSettings, Records
@@ -64,6 +64,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             "raytrainer.train({..., 'task': MyTask(...), 'run': {'name': NAME, 'storage': STORAGE}}) "
             "(run.resume: auto continues a run from its newest checkpoint)"
         )
+    resolve_paths(config, os.getcwd())
     if config.run.name is None:
         stem = stem or config.task.path.partition(":")[0].rsplit(".", 1)[-1]  # a module's: examples.digits -> digits
         config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

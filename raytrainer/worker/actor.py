@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import socket
 import sys
 import threading
@@ -34,7 +35,14 @@ from ..task import build_task
 
 
 class Worker:
-    def __init__(self, config: dict[str, Any], payload: bytes | None = None, spare: bool = False):
+    def __init__(self, config: dict[str, Any], payload: bytes | None = None, spare: bool = False,
+                 cwd: str | None = None):
+        # Work where the user ran the run from (`cwd`: the driver's), so that a relative path
+        # in the task's code (a dataset file) means what it means in the user's shell; this
+        # process otherwise works where its Ray was started (a kept local Ray's keeper, `ray
+        # start`), or on another node that lacks the directory, in its Ray's.
+        if cwd and os.path.isdir(cwd):
+            os.chdir(cwd)
         # Import torch now, on every actor in parallel, not on the first call; and
         # torch._dynamo, which every optimizer imports as it is built (torch wraps
         # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid

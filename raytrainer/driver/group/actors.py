@@ -56,7 +56,7 @@ def start_worker(config: Config, bundle: dict[str, float], slot: Slot) -> Any:
     return _remote_worker().options(
         num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=extra or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(config.to_dict(), config.task.payload)  # a task passed by value: its object-store ref
+    ).remote(config.to_dict(), config.task.payload, cwd=config.run.cwd)  # payload: its object-store ref
 
 
 def start_spare(config: Config, node_id: str) -> Any:
@@ -65,7 +65,7 @@ def start_spare(config: Config, node_id: str) -> Any:
     placement group: a group removed (a lost or drained node's) would take it along."""
     return _remote_worker().options(
         num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(config.to_dict(), config.task.payload, spare=True)
+    ).remote(config.to_dict(), config.task.payload, spare=True, cwd=config.run.cwd)
 
 
 def alive_nodes() -> set[str]:
