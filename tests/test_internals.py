@@ -85,6 +85,19 @@ def test_a_placement_group_can_still_be_soft_targeted_at_a_node():
         "node the first gang placement chose (driver/_internals.single_slot_on)")
 
 
+def test_a_ray_that_ray_init_starts_can_still_be_given_a_free_dashboard_agent_port():
+    """driver/_internals.no_fixed_ports: RayParams' keyword, which ray.init leaves at 52365."""
+    from ray._private.parameter import RayParams
+
+    default = inspect.signature(RayParams.__init__).parameters.get("dashboard_agent_listen_port")
+    assert default is not None, (
+        f"{RAY}: RayParams lost dashboard_agent_listen_port, which keeps the kept local Ray off the port a "
+        "user's `ray start --head` takes by default (driver/_internals.no_fixed_ports)")
+    with driver_internals.no_fixed_ports():
+        assert RayParams().dashboard_agent_listen_port not in (0, 52365, default.default)
+    assert RayParams().dashboard_agent_listen_port == default.default
+
+
 @pytest.mark.parametrize("whose,module,name,why", NAMES, ids=[f"{m}.{n}" for _, m, n, _ in NAMES])
 def test_the_private_names_raytrainer_uses_exist(whose, module, name, why):
     found = _module(module)

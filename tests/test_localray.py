@@ -1,19 +1,22 @@
 """The local Ray a first run keeps for the next ones: a later run joins it, only raytrainer
 finds it, `raytrainer down` or idleness stops it with every process it started, and a run
-that finds it in use starts a Ray of its own."""
+that finds it in use starts a Ray of its own. A run launched from another directory keeps
+its whole run directory where it says, and a Ray the user starts works beside it."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from raytrainer.driver import localray
 
-from .ray_procs import processes_under, short_temp_dir, wait_gone
+from .ray_procs import free_port, processes_under, short_temp_dir, wait_gone
 from .tasks import RegressionTask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,3 +98,103 @@ def test_the_kept_ray_stops_by_itself_once_idle_and_a_run_that_finds_it_in_use_s
     finally:
         left = wait_gone(folder)
     assert not left, f"left running: {left}"
+
+
+# ---------------------------------------------------------------------------- as a user runs it
+#
+# The kept Ray where a user's is: under the temp dir, one per installation (here TMPDIR is
+# this module's own, so that `raytrainer down` stops this module's Rays, not another
+# session's on the machine), and runs launched from directories of their own.
+
+TASK = """
+import torch
+from raytrainer import Task
+
+
+class FileTask(Task):
+    # Reads data.txt by a relative path, as a user's task opens its dataset: it means the
+    # directory the run was launched from.
+    def build_model(self):
+        return torch.nn.Linear(2, 1)
+
+    def build_optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_dataset(self):
+        self.mark = float(open("data.txt").read())
+        x = torch.randn(32, 2, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+    def train_step(self, model, batch):
+        x, y = batch
+        return {"loss": torch.nn.functional.mse_loss(model(x), y), "mark": self.mark}
+"""
+
+# What `ray start --head` takes by default (ray/_private/ray_constants.py, scripts.py): GCS
+# 6379, dashboard 8265, dashboard agent 52365, client server 10001, workers 10002-19999.
+RAY_START_PORTS = {6379, 8265, 52365, *range(10001, 20000)}
+
+
+@pytest.fixture(scope="module")
+def kept():
+    """The environment of a user whose runs keep a local Ray; at the end, every kept Ray
+    stopped and its processes gone."""
+    tmp = short_temp_dir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", localray.DIR_ENV)}
+    env.update(TMPDIR=tmp, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=tmp)
+    try:
+        yield env
+    finally:
+        subprocess.run([sys.executable, "-m", "raytrainer", "down"], env=env, capture_output=True, timeout=120)
+        left = wait_gone(tmp)
+        assert not left, f"left running: {left}"
+
+
+def cli(args, cwd, env, python=sys.executable):
+    return subprocess.run([python, "-m", "raytrainer", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def project(path: Path, mark: int) -> Path:
+    """A user's project directory: a task module, its data file, a config with the default
+    relative run.storage."""
+    path.mkdir()
+    (path / "mytask.py").write_text(TASK)
+    (path / "data.txt").write_text(str(mark))
+    (path / "run.yaml").write_text(yaml.safe_dump({
+        "task": {"target": "mytask:FileTask"}, "trainer": {"max_steps": 3, "global_batch_size": 8},
+        "scaling": {"num_workers": 1}, "checkpoint": {"every_n_steps": 2}}))
+    return path
+
+
+def keeper_of(env) -> dict:
+    (folder,) = Path(env["TMPDIR"]).glob("raytrainer-*/keeper.json")
+    return json.loads(folder.read_text())
+
+
+def test_a_run_from_another_directory_keeps_its_whole_run_directory_there_and_resumes(kept, tmp_path):
+    a, b = project(tmp_path / "a", 1), project(tmp_path / "b", 2)
+    first = cli(["train", "run.yaml", "--set", "run.name=one", "--no-progress"], a, kept)
+    assert first.returncode == 0, first.stderr[-3000:]
+    keeper = keeper_of(kept)
+
+    # Another directory, another spelling of the same interpreter: the same kept Ray.
+    python3 = Path(sys.executable).with_name("python3")
+    second = cli(["train", "run.yaml", "--set", "run.name=two", "--no-progress"], b, kept,
+                 python=str(python3) if python3.exists() else sys.executable)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "started a local Ray" not in second.stderr and keeper_of(kept)["pid"] == keeper["pid"]
+    assert f"finished {b / 'runs' / 'two'}:" in second.stdout
+    assert not (a / "runs" / "two").exists()
+    run = b / "runs" / "two"
+    assert {"config.yaml", "metrics.jsonl", "events.jsonl", "model.pt", "checkpoints"} <= {p.name for p in run.iterdir()}
+    assert any((run / "checkpoints").iterdir())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["mark"] for r in rows if "mark" in r} == {2.0}  # b's data.txt, read by the worker
+
+    # The printed directory resumes, named as the user would, relative to where they stand.
+    resumed = cli(["resume", "runs/two", "--set", "trainer.max_steps=5", "--no-progress"], b, kept)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"finished {run}: step 5" in resumed.stdout
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [3]  # from its final checkpoint

@@ -11,6 +11,10 @@ Checked on Ray 2.60.0 (pinned) and Ray 2.40.0 (the oldest pyproject.toml claims:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from typing import Any, Iterator
+
 
 def started_local_ray() -> bool:
     """Whether this process started the Ray it is connected to (so no autoscaler can add
@@ -33,6 +37,45 @@ def bootstrap_address() -> str | None:
     from ray._private import services
 
     return services.find_bootstrap_address(None)
+
+
+@contextlib.contextmanager
+def no_fixed_ports() -> Iterator[None]:
+    """While it lasts, a Ray that ray.init starts takes no fixed port: its dashboard agent
+    listens on a free port, not on Ray's default 52365 (RayParams' default, which ray.init
+    does not let a caller set; its GCS, object manager, workers and metrics take free ports
+    already, and no dashboard or client server runs). For the kept local Ray
+    (localray.keep): a `ray start --head` beside it takes 52365 by default, and with its
+    agent unable to bind it, every `ray job submit` to that head failed ("No available agent
+    to submit job"). Without it: that again, for as long as a Ray is kept.
+
+    A port chosen here, not 0 (the agent's own choice): with 0 the raylet waits for the agent
+    to have loaded its modules and recorded the port before the node registers, seconds
+    more of a start on a busy machine. Taken by another process meanwhile, the agent serves
+    no HTTP (Ray logs it and goes on); raytrainer does not use it."""
+    import socket
+
+    from ray._private.parameter import RayParams
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+
+    port = DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+    while port == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:  # a free port may be it, by chance
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    init = RayParams.__init__
+
+    @functools.wraps(init)
+    def free_agent_port(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("dashboard_agent_listen_port", port)
+        init(self, *args, **kwargs)
+
+    RayParams.__init__ = free_agent_port
+    try:
+        yield
+    finally:
+        RayParams.__init__ = init
+
 
 
 def enable_token_auth() -> None:

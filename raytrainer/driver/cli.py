@@ -1,5 +1,5 @@
 """Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`,
-`raytrainer bench`, `raytrainer plot RUN_DIR ...`, `raytrainer up|down` (the kept local Ray)."""
+`raytrainer bench`, `raytrainer plot RUN_DIR ...`, `raytrainer up|down|status` (the kept local Ray)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     sub.add_parser("up", help="start the local Ray that runs keep for the next ones, now (RAYTRAINER_KEEP_RAY)")
-    sub.add_parser("down", help="stop the local Ray that runs keep for the next ones")
+    sub.add_parser("down", help="stop every local Ray that runs keep for the next ones (all of this user's)")
+    sub.add_parser("status", help="say which local Rays runs keep for the next ones, and where")
     plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/digits-*")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one run, plot.png for several)")
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     prefix = "raytrainer" if args.command in ("train", "resume") else f"raytrainer {args.command}"
     try:
-        commands = {"train": _train, "resume": _train, "bench": _bench, "plot": _plot, "up": _up, "down": _down}
+        commands = {"train": _train, "resume": _train, "bench": _bench, "plot": _plot, "up": _up, "down": _down,
+                    "status": _status}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"{prefix}: config error: {exc}", file=sys.stderr)
@@ -104,6 +106,13 @@ def _down(args: argparse.Namespace) -> int:
     from .localray import down
 
     print(down())
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .localray import status
+
+    print(status())
     return 0
 
 

@@ -12,7 +12,11 @@ a Ray for each run and stops it at the run's end, as a run joined to nothing did
 Only raytrainer finds the kept Ray: it lives in its own temp dir (state_dir: one per user,
 Python and Ray installation, since its workers run the keeper's interpreter), and nothing
 records it where Ray looks (`ray start` writes /tmp/ray/ray_current_cluster, which a
-plain ray.init() joins; ray.init(address="local") always starts a new one).
+plain ray.init() joins; ray.init(address="local") always starts a new one). Nor does it
+stand in the way of a Ray the user starts: it takes none of the fixed ports `ray start
+--head` takes by default (_internals.no_fixed_ports), and its keeper works in its own temp
+dir, not in the directory of the run that started it (a run's workers work in their run's:
+worker/actor.py).
 
 A run uses the kept Ray alone: it holds users.lock (flock) for as long as it is connected,
 and a run that finds it held starts a Ray of its own, as before, rather than share the
@@ -89,8 +93,22 @@ def state_dir() -> Path:
         return Path(os.environ[DIR_ENV])
     import ray
 
-    digest = hashlib.sha256(f"{sys.executable}\0{ray.__version__}\0{Path(__file__).resolve()}".encode())
-    return Path(tempfile.gettempdir()) / f"raytrainer-{os.getuid()}-{digest.hexdigest()[:8]}"
+    # The interpreter by its real path (bin/python and bin/python3 of one venv are one), and
+    # the environment it runs in (sys.prefix: two venvs of one interpreter are two).
+    key = (os.path.realpath(sys.executable), os.path.realpath(sys.prefix), ray.__version__, Path(__file__).resolve())
+    digest = hashlib.sha256("\0".join(map(str, key)).encode())
+    return Path(tempfile.gettempdir()) / f"{_PREFIX}{os.getuid()}-{digest.hexdigest()[:8]}"
+
+
+_PREFIX = "raytrainer-"
+
+
+def kept_dirs() -> list[Path]:
+    """The state dirs of every local Ray kept for this user whose keeper is alive: this
+    installation's (state_dir) and any other's (another venv, Python or Ray version) under
+    the same temp dir."""
+    found = {state_dir()} | set(Path(tempfile.gettempdir()).glob(f"{_PREFIX}{os.getuid()}-*"))
+    return sorted(folder for folder in found if _keeper(folder) is not None)
 
 
 @contextlib.contextmanager
@@ -244,10 +262,15 @@ def _start_keeper(folder: Path, minutes: float) -> dict[str, Any] | None:
     (folder / "keeper.json").unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({k: v for k, v in RAY_SETTINGS.items() if k not in env})
+    # It works in its folder, not in the user's directory (which it would hold for as long as
+    # it lives, and which is no later run's): raytrainer is imported from where this process
+    # imports it, which may be that directory (a source checkout, not installed).
+    package_parent = str(Path(__file__).resolve().parents[2])
     with open(folder / "keeper.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from raytrainer.driver.localray import keep; "
-                                 "keep(sys.argv[1], float(sys.argv[2]))", str(folder), str(minutes * 60)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[3]); "
+                                 "from raytrainer.driver.localray import keep; keep(sys.argv[1], float(sys.argv[2]))",
+                                 str(folder), str(minutes * 60), package_parent],
+                                cwd=folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # not stopped with this run's process group
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -299,11 +322,17 @@ def up(folder: Path | None = None, minutes: float | None = None) -> str:
 
 
 def down(folder: Path | None = None, timeout_s: float = 30.0) -> str:
-    """Stop the kept local Ray (its keeper, and with it every process of that Ray)."""
-    folder = folder or state_dir()
+    """Stop the local Ray kept in `folder`, or every one kept for this user (kept_dirs): its
+    keeper, and with it every process of that Ray."""
+    folders = [folder] if folder is not None else kept_dirs()
+    done = [_stop(f, timeout_s) for f in folders]
+    return "\n".join(line for line in done if line) or "no local Ray kept by raytrainer is running"
+
+
+def _stop(folder: Path, timeout_s: float) -> str | None:
     info = _keeper(folder)
     if info is None:
-        return "no local Ray kept by raytrainer is running"
+        return None
     pid = info["pid"]
     for sig, grace in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
@@ -315,6 +344,29 @@ def down(folder: Path | None = None, timeout_s: float = 30.0) -> str:
             break
     (folder / "keeper.json").unlink(missing_ok=True)
     return f"stopped the local Ray raytrainer kept ({info['address']}, {folder})"
+
+
+def status() -> str:
+    """What is kept for this user, and where (`raytrainer status`): each kept local Ray's
+    address, state dir, keeper pid and interpreter, and whether a run uses it or for how long
+    it has been idle."""
+    lines = []
+    for folder in kept_dirs():
+        info = _keeper(folder)
+        if info is None:  # stopped since kept_dirs looked
+            continue
+        idle_s, since = info.get("idle_s", 0.0), info.get("idle_since")
+        free = _lock(folder / "users.lock")
+        if free is None:
+            use = "in use by a run"
+        else:
+            free.close()
+            idle = time.time() - since if since else 0.0
+            use = f"idle for {idle / 60:.1f} min, stops after {idle_s / 60:g}"
+        lines.append(f"a local Ray kept at {info['address']} ({use})\n  dir {folder}\n  keeper pid {info['pid']}, "
+                     f"python {info.get('python', '?')}, up since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info['started']))}")
+    return "\n".join(lines) or f"no local Ray kept by raytrainer is running ({KEEP_ENV}={keep_minutes():g} minutes)"
 
 
 # ---------------------------------------------------------------------------- the keeper
@@ -332,25 +384,35 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
         return  # another keeper of this folder is starting or up
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with settings():
+    with settings(), _internals.no_fixed_ports():
         ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False)
     try:
         # Ray turns token authentication on for a local Ray where a token exists (setting
         # RAY_AUTH_MODE here): a run connecting must then present it too.
         info = {"pid": os.getpid(), "address": ray.get_runtime_context().gcs_address, "started": time.time(),
-                "auth_mode": os.environ.get("RAY_AUTH_MODE"), "env": _fingerprint(os.environ)}
-        tmp = folder / "keeper.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, folder / "keeper.json")
+                "auth_mode": os.environ.get("RAY_AUTH_MODE"), "env": _fingerprint(os.environ),
+                "python": sys.executable, "idle_s": idle_s, "idle_since": time.time()}
+
+        def record(**changes: Any) -> None:  # keeper.json, whole or not at all
+            info.update(changes)
+            tmp = folder / "keeper.json.tmp"
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, folder / "keeper.json")
+
+        record()
         idle_since = time.monotonic()  # until the run that started it connects
         while not stop.wait(check_s):
             free = _lock(folder / "users.lock")
             if free is None:
-                idle_since = None
+                if idle_since is not None:
+                    idle_since = None
+                    record(idle_since=None)
                 continue
             free.close()
-            idle_since = idle_since or time.monotonic()
+            if idle_since is None:
+                idle_since = time.monotonic()
+                record(idle_since=time.time())
             if time.monotonic() - idle_since >= idle_s:
                 break
     finally:
