@@ -5,7 +5,7 @@ its whole run directory where it says, and a Ray the user starts works beside it
 
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -198,3 +198,103 @@ def test_a_run_from_another_directory_keeps_its_whole_run_directory_there_and_re
     assert f"finished {run}: step 5" in resumed.stdout
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "resumed"] == [3]  # from its final checkpoint
+
+
+def listening(pid: int) -> set[int]:
+    """The ports that process `pid` and its descendants (a Ray's daemons, agents, workers) listen on."""
+    import psutil
+
+    ports = set()
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            ports |= {c.laddr.port for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:  # gone meanwhile (a worker)
+            pass
+    return ports
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_a_ray_the_user_starts_beside_the_kept_one_takes_jobs(kept, tmp_path):
+    up = cli(["up"], tmp_path, kept)
+    assert up.returncode == 0, up.stderr[-3000:]
+    keeper = keeper_of(kept)
+    # Its dashboard agent has bound its HTTP port (recorded in the session dir) ...
+    session = next(Path(kept["TMPDIR"]).glob("raytrainer-*/ray/session_latest"))
+    deadline = time.monotonic() + 120
+    while not (agent := [p for p in session.glob("dashboard_agent_listen_port_*") if p.read_text().strip()]):
+        assert time.monotonic() < deadline, f"the kept Ray's dashboard agent never bound its port ({session})"
+        time.sleep(0.5)
+    agent_port = int(agent[0].read_text())
+    # ... and no process of the kept Ray holds a port that `ray start --head` takes by default.
+    ports = listening(keeper["pid"])
+    assert agent_port in ports and not ports & RAY_START_PORTS, sorted(ports & RAY_START_PORTS)
+
+    # The user's own head, with the agent's default port (unless another process on this
+    # shared machine holds it: then what the kept Ray holds is checked above only).
+    head_dir = short_temp_dir()
+    env = {k: v for k, v in kept.items() if k != "TMPDIR"}
+    env["RAY_TMPDIR"] = head_dir  # the head records itself there, not where other runs look
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    dash = free_port()
+    proc = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=1",
+         "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}", f"--temp-dir={head_dir}",
+         "--disable-usage-stats", *([] if port_free(52365) else [f"--dashboard-agent-listen-port={free_port()}"]),
+         # Free ports Ray would pick itself, given: its raylet then does not wait for its agents
+         # to record theirs, which on a busy machine outlasts the 30 s a node has to start.
+         f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}"],
+        cwd=head_dir, env=env, stdout=(tmp_path / "ray-start.log").open("w"), stderr=subprocess.STDOUT)
+    env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
+    try:
+        # A job runs once the head's agent has registered (the job server gives up on a
+        # submission after 10 s without one: retried until then, as tests/test_job_submit.py).
+        deadline = time.monotonic() + 150
+        while (job := subprocess.run([ray_cli, "job", "submit", "--", "python", "-c", "print(6 * 7)"], env=env,
+                                     cwd=head_dir, capture_output=True, text=True)).returncode:
+            assert proc.poll() is None, f"ray start exited {proc.returncode}: {(tmp_path / 'ray-start.log').read_text()}"
+            assert time.monotonic() < deadline, job.stdout[-2000:] + job.stderr[-2000:]
+            time.sleep(1)
+        assert "42" in job.stdout and "SUCCEEDED" in job.stdout, job.stdout[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)  # --block: stops the node's processes
+        proc.wait(timeout=60)
+        left = wait_gone(head_dir)
+    assert not left, f"ray processes outlived `ray start --block`: {left}"
+
+
+def test_status_says_what_is_kept_and_down_stops_every_kept_ray(kept, tmp_path):
+    mine = cli(["up"], tmp_path, kept)
+    assert mine.returncode == 0, mine.stderr[-3000:]
+    # Another installation's (another venv, Python or Ray): another state dir under the same temp dir.
+    other = Path(kept["TMPDIR"]) / f"raytrainer-{os.getuid()}-other"
+    theirs = cli(["up"], tmp_path, {**kept, localray.DIR_ENV: str(other)})
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    keepers = [json.loads(p.read_text()) for p in sorted(Path(kept["TMPDIR"]).glob("raytrainer-*/keeper.json"))]
+    assert len(keepers) == 2
+
+    status = cli(["status"], tmp_path, kept)
+    assert status.returncode == 0, status.stderr
+    for keeper in keepers:
+        assert keeper["address"] in status.stdout and f"keeper pid {keeper['pid']}" in status.stdout, status.stdout
+    assert str(other) in status.stdout and "idle for" in status.stdout
+
+    down = cli(["down"], tmp_path, kept)
+    assert down.returncode == 0 and down.stdout.count("stopped the local Ray") == 2, down.stdout + down.stderr
+    assert "no local Ray kept" in cli(["status"], tmp_path, kept).stdout
+    deadline = time.monotonic() + 60
+    while processes_under(kept["TMPDIR"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not processes_under(kept["TMPDIR"])
