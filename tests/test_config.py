@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import yaml
 
@@ -136,3 +138,18 @@ def test_loggers_default_to_tensorboard_and_take_each_kind():
     from raytrainer.config import dump_config
 
     assert load_config(yaml.safe_load(dump_config(cfg))).loggers == cfg.loggers
+
+
+def test_relative_paths_are_made_absolute_against_the_users_directory_and_uris_stay():
+    from raytrainer.config import resolve_paths
+
+    config = load_config(BASE, ["run.storage=runs", "run.resume=../other/runs/x/checkpoints/step-00000010"])
+    resolve_paths(config, "/home/u/projB")
+    assert config.run.storage == "/home/u/projB/runs" and config.run.cwd == "/home/u/projB"
+    assert config.run.resume == "/home/u/other/runs/x/checkpoints/step-00000010"
+    assert "cwd" not in config.to_dict()["run"]  # not a key: config.yaml records the absolute storage only
+    for storage, resolved in (("~/runs", os.path.expanduser("~/runs")),
+                              ("s3://bucket/runs", "s3://bucket/runs"), ("/abs/runs", "/abs/runs")):
+        config = load_config(BASE, [f"run.storage={storage}"])
+        resolve_paths(config, "/home/u/projB")
+        assert config.run.storage == resolved and config.run.resume == "auto"
