@@ -56,3 +56,24 @@ class WorkerError(RaytrainerError):
 
     def __reduce__(self):  # crosses process boundaries through Ray
         return (type(self), (self.rank, self.message, self.traceback, self.step))
+
+
+class NonFiniteLoss(RaytrainerError):
+    """A step's loss (or gradient norm) was NaN or Inf (trainer.nonfinite): a property of
+    the data or the hyperparameters, never retried as a worker failure."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped on a signal (SIGINT, SIGTERM) after committing a checkpoint at the
+    step it reached. A KeyboardInterrupt: code that stops on Ctrl-C stops on it."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None, run_dir: str | None = None):
+        self.signum, self.step, self.checkpoint, self.run_dir = signum, step, checkpoint, run_dir
+        import signal
+
+        name = signal.Signals(signum).name
+        saved = f"checkpoint {checkpoint} committed" if checkpoint else "no checkpoint could be committed"
+        super().__init__(f"stopped by {name} at step {step}; {saved}")
+
+    def __reduce__(self):
+        return (type(self), (self.signum, self.step, self.checkpoint, self.run_dir))

@@ -104,6 +104,19 @@ class RegressionTask(Task):
         return {"loss": torch.nn.functional.mse_loss(model(x), y), "index": index.float().mean()}
 
 
+class BadRecordTask(RegressionTask):
+    """One training record whose features are all inf: its step's loss is NaN."""
+
+    def __init__(self, bad_sample=37, **kwargs):
+        super().__init__(**kwargs)
+        self.bad_sample = bad_sample
+
+    def train_dataset(self):
+        data = super().train_dataset()
+        data.tensors[0][self.bad_sample] = float("inf")
+        return data
+
+
 class TinyTask(RegressionTask):
     """A dataset smaller than the global batch used by the tests."""
 
