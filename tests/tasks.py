@@ -421,3 +421,12 @@ def regression_loop(ctx, steps=24, state_every=1, sleep_s=0.0, dropout=0.1, mark
                        state=state)
             if step >= steps:
                 return model
+
+
+def nan_loss_loop(ctx, steps=6, nan_from=3):
+    """Your own loop whose loss turns NaN at step `nan_from` and stays so."""
+    model = ctx.prepare_model(torch.nn.Linear(2, 1))
+    for step in range(ctx.step + 1, steps + 1):
+        loss = model(torch.ones(1, 2)).sum() * (float("nan") if step >= nan_from else 1.0)
+        ctx.report({"loss": loss, "step": step}, state={"model": model})
+    return model
