@@ -67,13 +67,19 @@ class Stopped(KeyboardInterrupt):
     """The run stopped on a signal (SIGINT, SIGTERM) after committing a checkpoint at the
     step it reached. A KeyboardInterrupt: code that stops on Ctrl-C stops on it."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None, run_dir: str | None = None):
-        self.signum, self.step, self.checkpoint, self.run_dir = signum, step, checkpoint, run_dir
+    def __init__(self, signum: int, step: int, checkpoint: str | None = None, checkpoint_step: int | None = None,
+                 run_dir: str | None = None):
         import signal
 
-        name = signal.Signals(signum).name
-        saved = f"checkpoint {checkpoint} committed" if checkpoint else "no checkpoint could be committed"
-        super().__init__(f"stopped by {name} at step {step}; {saved}")
+        self.signum, self.step, self.run_dir = signum, step, run_dir
+        self.checkpoint, self.checkpoint_step = checkpoint, checkpoint_step
+        if checkpoint is None:
+            saved = "no checkpoint is committed"
+        elif checkpoint_step == step:
+            saved = f"checkpoint {checkpoint} committed"
+        else:
+            saved = f"the newest committed checkpoint is {checkpoint} (step {checkpoint_step})"
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {saved}")
 
     def __reduce__(self):
-        return (type(self), (self.signum, self.step, self.checkpoint, self.run_dir))
+        return (type(self), (self.signum, self.step, self.checkpoint, self.checkpoint_step, self.run_dir))

@@ -90,3 +90,125 @@ def test_a_nonfinite_loss_your_own_loop_reports_is_warned_of_once_and_the_loop_d
     assert [e["step"] for e in said] == [3] and "check for it in your loop" in said[0]["why"]
     assert result.events[-1]["event"] == "finished" and result.metrics["step"] == 6
     assert_no_leaks()
+
+
+# ---------------------------------------------------------------------- signals, from outside
+
+USER_TASK = '''
+import os, time
+import torch
+from torch.utils.data import TensorDataset
+from raytrainer import Task
+
+
+class SlowTask(Task):
+    """A user's task in their own directory; each step sleeps (20 times longer while the file
+    `hold` exists: a stop then takes a while to reach its step boundary)."""
+
+    def __init__(self, sleep_s=0.05, hold=None):
+        self.sleep_s, self.hold = sleep_s, hold
+
+    def build_model(self):
+        return torch.nn.Linear(4, 1)
+
+    def build_optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train_dataset(self):
+        x = torch.randn(512, 4, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, x.sum(1, keepdim=True))
+
+    def train_step(self, model, batch):
+        x, y = batch
+        time.sleep(self.sleep_s * (20 if self.hold and os.path.exists(self.hold) else 1))
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+'''
+
+
+def start_cli(tmp_path, name, *extra):
+    """`raytrainer train` from the user's directory, as a user runs it, on the tests' Ray."""
+    import ray
+
+    (tmp_path / "usertask.py").write_text(USER_TASK)
+    (tmp_path / "slow.yaml").write_text(
+        "task: {target: usertask:SlowTask, args: {hold: %s}}\n" % (tmp_path / "hold")
+        + "trainer: {max_steps: 100000, global_batch_size: 32}\n"
+        + "scaling: {num_workers: 2}\ncheckpoint: {every_n_steps: 20}\n"
+        + f"run: {{name: {name}, storage: {tmp_path / 'runs'}}}\n")  # absolute: workers on the tests' Ray run elsewhere
+    address = ray.get_runtime_context().gcs_address
+    command = [sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--no-progress", "--address", address]
+    return subprocess.Popen(command + list(extra), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_for_step(run_dir, step, proc):
+    """Until metrics.jsonl has a row past `step` (the run trains: past its first checkpoint)."""
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        path = run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[-1])["step"] > step:
+            return json.loads(lines[-1])["step"]
+        time.sleep(0.2)
+
+
+def resume_cli(tmp_path, run_dir, *overrides):
+    import ray
+
+    command = [sys.executable, "-m", "raytrainer", "resume", str(run_dir), "--no-progress",
+               "--address", ray.get_runtime_context().gcs_address]
+    for item in overrides:
+        command += ["--set", item]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_there_and_resume_continues_from_it(ray_local, tmp_path):
+    run_dir = tmp_path / "runs" / "int"
+    proc = start_cli(tmp_path, "int")
+    seen = wait_for_step(run_dir, 25, proc)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, out
+    assert f"continue with: raytrainer resume {run_dir}" in out
+    stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGINT"
+    step = stopped[0]["step"]
+    assert step >= seen and stopped[0]["checkpoint_step"] == step  # not the last periodic one (20, 40, ...)
+    assert_no_leaks()
+
+    done = resume_cli(tmp_path, run_dir, f"trainer.max_steps={step + 3}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = [e for e in log(run_dir) if e["event"] == "resumed"]
+    assert resumed[-1]["step"] == step and resumed[-1]["checkpoint"] == stopped[0]["checkpoint"]
+    assert log(run_dir)[-1]["event"] == "finished" and (run_dir / "model.pt").exists()
+    assert_no_leaks()
+
+
+def test_sigterm_stops_the_same_way_with_exit_status_143(ray_local, tmp_path):
+    run_dir = tmp_path / "runs" / "term"
+    proc = start_cli(tmp_path, "term")
+    wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out
+    stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
+    assert stopped and stopped[0]["signal"] == "SIGTERM" and stopped[0]["checkpoint_step"] == stopped[0]["step"]
+    assert_no_leaks()
+
+
+def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_path):
+    run_dir = tmp_path / "runs" / "abort"
+    proc = start_cli(tmp_path, "abort")
+    wait_for_step(run_dir, 5, proc)
+    (tmp_path / "hold").touch()  # steps of a second: the stop is still on its way to a boundary
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    events = log(run_dir)
+    assert "stopped" not in [e["event"] for e in events]
+    assert events[-1]["event"] == "failed" and events[-1]["cause"] == "interrupted"
+    assert_no_leaks()

@@ -548,8 +548,10 @@ class Loop:
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, wait: bool = False) -> None:
         self.saver.save(self.step, self.state_dict, self.latest_metrics)
+        if wait:
+            self.saver.finish()
 
     def _committed(self, ckpt: Committed, path: str) -> None:
         self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,

@@ -141,6 +141,13 @@ class UserLoop:
         self.model = None
         self.phase = "user"
 
+    def save_checkpoint(self, wait: bool = False) -> None:
+        """A checkpoint of the state held (that of the report it paused at), as a Task's loop
+        saves one (actor.save_paused: a stop on a signal)."""
+        self._save()
+        if wait:
+            self.saver.finish()
+
     def close_inputs(self) -> None:
         """Nothing to stop: the loop's own DataLoaders end with fn."""
 
