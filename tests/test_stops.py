@@ -212,3 +212,37 @@ def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_pa
     assert "stopped" not in [e["event"] for e in events]
     assert events[-1]["event"] == "failed" and events[-1]["cause"] == "interrupted"
     assert_no_leaks()
+
+
+def test_ctrl_c_in_python_stops_your_own_loop_at_a_report_with_its_state_committed(ray_local, tmp_path):
+    import threading
+
+    from raytrainer.errors import Stopped
+
+    from .tasks import regression_loop
+
+    config = {"scaling": {"num_workers": 2}, "trainer": {"global_batch_size": 32},
+              "run": {"name": "loop", "storage": str(tmp_path)}}
+    marker = tmp_path / "slow"
+    marker.touch()
+    run_dir = tmp_path / "loop"
+
+    def interrupt():  # Ctrl-C, once the loop has reported a few steps
+        while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 4:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(Stopped) as info:
+        raytrainer.train_loop(regression_loop, config, args={"steps": 400, "sleep_s": 0.05, "marker": str(marker)},
+                              progress=False)
+    stop = info.value
+    assert isinstance(stop, KeyboardInterrupt) and stop.signum == signal.SIGINT
+    assert stop.checkpoint_step == stop.step >= 4 and stop.run_dir == str(run_dir)
+    assert_no_leaks()
+
+    marker.unlink()
+    result = raytrainer.train_loop(regression_loop, config, args={"steps": stop.step + 4}, progress=False)
+    resumed = [e for e in result.events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["step"] == stop.step and result.metrics["step"] == stop.step + 4
+    assert_no_leaks()
