@@ -166,8 +166,10 @@ def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_there_and_resume_cont
     run_dir = tmp_path / "runs" / "int"
     proc = start_cli(tmp_path, "int")
     seen = wait_for_step(run_dir, 25, proc)
+    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=300)[0]
+    print(f"SIGINT to exit: {time.monotonic() - sent:.2f} s")  # a figure for the docs, not a check
     assert proc.returncode == 130, out
     assert f"continue with: raytrainer resume {run_dir}" in out
     stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
