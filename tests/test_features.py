@@ -209,3 +209,39 @@ def test_skip_drops_a_nonfinite_step_counts_it_and_stops_after_too_many_in_a_row
     with pytest.raises(NonFiniteLoss, match=r"step 4: .* more than trainer.nonfinite_max_skips=2 in a row"):
         loop.fit()
     assert loop.nonfinite_skips == 2
+
+
+class InfOnRankOne(FeatureTask):
+    """The loss is inf at step 3 on rank 1 only."""
+
+    def train_step(self, model, batch):
+        import torch.distributed as dist
+
+        out = super().train_step(model, batch)
+        if self.steps == 3 and dist.get_rank() == 1:
+            out["loss"] = out["loss"] * float("inf")
+        return out
+
+
+def _nonfinite_on_rank_one(rank, world_size, strategy, mode):
+    loop = Loop(InfOnRankOne(), LoopSettings(trainer=TrainerConfig(max_steps=5, global_batch_size=32, strategy=strategy,
+                                                                   nonfinite=mode)),
+                Outlets(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    try:
+        loop.fit()
+    except NonFiniteLoss as exc:
+        return loop.step, str(exc)
+    return loop.step, loop.nonfinite_skips
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_rank_stops_or_skips_the_same_step_when_one_ranks_loss_is_not_finite(strategy):
+    from .dist_procs import run_ranks
+
+    stopped = run_ranks(_nonfinite_on_rank_one, 2, strategy, "stop")
+    assert [step for step, _ in stopped] == [2, 2]
+    if strategy == "ddp":  # the ranks ride beside the loss in the gradient all-reduce
+        assert all(why.startswith("step 3: the loss is inf on rank(s) 1.") for _, why in stopped)
+    else:  # no carried metrics: the reduce-scattered gradient shards are NaN on every rank
+        assert all(why.startswith("step 3: the gradients are not finite") for _, why in stopped)
+    assert run_ranks(_nonfinite_on_rank_one, 2, strategy, "skip") == [(5, 1), (5, 1)]
