@@ -3,7 +3,7 @@
 from .driver.api import Result, train, train_loop
 from .callbacks import Callback, RunContext
 from .config import Config, load_config
-from .errors import ConfigError, PlacementError, RaytrainerError, TaskError, WorkerError
+from .errors import ConfigError, NonFiniteLoss, PlacementError, RaytrainerError, Stopped, TaskError, WorkerError
 from .driver.metrics import RunInfo, Sink
 from .task import Task
 
@@ -12,11 +12,13 @@ __all__ = [
     "RunContext",
     "Config",
     "ConfigError",
+    "NonFiniteLoss",
     "PlacementError",
     "RaytrainerError",
     "Result",
     "RunInfo",
     "Sink",
+    "Stopped",
     "Task",
     "TaskError",
     "WorkerError",

@@ -192,6 +192,15 @@ class TrainerConfig:
     """Debug: run N training steps and N validation batches per worker, then stop."""
     overfit_batches: int = 0
     """Debug: train on the same first N global batches every epoch."""
+    nonfinite: Literal["stop", "skip", "off"] = "stop"
+    """A step whose loss (or, with grad_clip_norm, gradient norm) is NaN or Inf, on any rank,
+    is never applied. stop: the run fails at that step (exit status 1), naming the step,
+    the ranks and the metric; its checkpoints hold only finite weights. skip: that update is
+    dropped on every rank and counted ('nonfinite_skips', a nonfinite_skipped event); more
+    than nonfinite_max_skips in a row stop the run. off: no check (fp16's scaler still skips
+    steps whose gradients overflow)."""
+    nonfinite_max_skips: int = 10
+    """trainer.nonfinite=skip: how many non-finite steps in a row are skipped before the run stops."""
 
     def __post_init__(self):
         for key in ("max_epochs", "max_steps", "global_batch_size", "micro_batch_size",
@@ -199,7 +208,7 @@ class TrainerConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"trainer.{key}={value} must be a positive integer")
-        for key in ("fast_dev_run", "overfit_batches"):
+        for key in ("fast_dev_run", "overfit_batches", "nonfinite_max_skips"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be >= 0 (0 turns it off)")
         if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:

@@ -56,3 +56,30 @@ class WorkerError(RaytrainerError):
 
     def __reduce__(self):  # crosses process boundaries through Ray
         return (type(self), (self.rank, self.message, self.traceback, self.step))
+
+
+class NonFiniteLoss(RaytrainerError):
+    """A step's loss (or gradient norm) was NaN or Inf (trainer.nonfinite): a property of
+    the data or the hyperparameters, never retried as a worker failure."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped on a signal (SIGINT, SIGTERM) after committing a checkpoint at the
+    step it reached. A KeyboardInterrupt: code that stops on Ctrl-C stops on it."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None = None, checkpoint_step: int | None = None,
+                 run_dir: str | None = None):
+        import signal
+
+        self.signum, self.step, self.run_dir = signum, step, run_dir
+        self.checkpoint, self.checkpoint_step = checkpoint, checkpoint_step
+        if checkpoint is None:
+            saved = "no checkpoint is committed"
+        elif checkpoint_step == step:
+            saved = f"checkpoint {checkpoint} committed"
+        else:
+            saved = f"the newest committed checkpoint is {checkpoint} (step {checkpoint_step})"
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {saved}")
+
+    def __reduce__(self):
+        return (type(self), (self.signum, self.step, self.checkpoint, self.checkpoint_step, self.run_dir))

@@ -104,6 +104,19 @@ class RegressionTask(Task):
         return {"loss": torch.nn.functional.mse_loss(model(x), y), "index": index.float().mean()}
 
 
+class BadRecordTask(RegressionTask):
+    """One training record whose features are all inf: its step's loss is NaN."""
+
+    def __init__(self, bad_sample=37, **kwargs):
+        super().__init__(**kwargs)
+        self.bad_sample = bad_sample
+
+    def train_dataset(self):
+        data = super().train_dataset()
+        data.tensors[0][self.bad_sample] = float("inf")
+        return data
+
+
 class TinyTask(RegressionTask):
     """A dataset smaller than the global batch used by the tests."""
 
@@ -408,3 +421,12 @@ def regression_loop(ctx, steps=24, state_every=1, sleep_s=0.0, dropout=0.1, mark
                        state=state)
             if step >= steps:
                 return model
+
+
+def nan_loss_loop(ctx, steps=6, nan_from=3):
+    """Your own loop whose loss turns NaN at step `nan_from` and stays so."""
+    model = ctx.prepare_model(torch.nn.Linear(2, 1))
+    for step in range(ctx.step + 1, steps + 1):
+        loss = model(torch.ones(1, 2)).sum() * (float("nan") if step >= nan_from else 1.0)
+        ctx.report({"loss": loss, "step": step}, state={"model": model})
+    return model

@@ -535,3 +535,44 @@ def test_your_own_loop_counts_as_a_batch_that_follows_the_world_size():
                              ["trainer.batch_policy=per_worker"])
     assert ControllerSettings.of(loop).per_worker_batch and ControllerSettings.of(per_worker).per_worker_batch
     assert not ControllerSettings.of(task).per_worker_batch
+
+
+class StoppingGroup(FakeGroup):
+    """A signal arrives at the driver after the first poll."""
+
+    def __init__(self, polls):
+        super().__init__(polls)
+        self.controller = None
+
+    def poll(self, timeout):
+        if ("launch",) in self.calls and self.controller.stop_signal is None:  # training
+            self.controller.request_stop(2)
+        return super().poll(timeout)
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def save_paused(self):
+        self.calls.append(("save_paused",))
+        return Poll(rows(3), events=[{"event": "checkpoint_committed", "step": 3, "path": "p", "bytes": 1}])
+
+
+def test_a_stop_pauses_the_workers_once_commits_a_checkpoint_there_and_raises_stopped(tmp_path):
+    from raytrainer.errors import Stopped
+
+    paused = RunEnd("paused", 3, time=0.0)
+    group = StoppingGroup([Poll(rows(1, 2)), Poll([]), Poll(paused={0: paused}), Poll(paused={1: paused})])
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, ControllerSettings(min_workers=2, poll_interval_s=0), Records(hub=hub, events=events),
+                            restore=lambda before=None: (3, "step-00000003", None))
+    group.controller = controller
+    with pytest.raises(Stopped) as info:
+        controller.run()
+    events.close()
+    assert isinstance(info.value, KeyboardInterrupt) and (info.value.step, info.value.checkpoint_step) == (3, 3)
+    assert [c[0] for c in group.calls if c[0] in ("pause", "save_paused", "shutdown")] == \
+        ["pause", "save_paused", "shutdown"]
+    log = read(tmp_path / "events.jsonl")
+    assert [e["event"] for e in log][-2:] == ["checkpoint_committed", "stopped"]
+    assert log[-1]["signal"] == "SIGINT" and log[-1]["checkpoint"] == "step-00000003"

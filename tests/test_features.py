@@ -7,7 +7,7 @@ import torch
 
 from raytrainer.config import EarlyStoppingConfig, LRScheduleConfig, TrainerConfig
 from raytrainer.data import BatchPlan
-from raytrainer.errors import ConfigError
+from raytrainer.errors import ConfigError, NonFiniteLoss
 from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 from raytrainer.worker.schedule import lr_multiplier
 
@@ -42,7 +42,8 @@ def test_autocast_really_runs_in_low_precision(precision, flag):
 
 def test_fp16_skips_and_counts_an_overflow_step():
     rows = []
-    loop = make_loop(FeatureTask(inf_at_step=5), rows, precision="fp16", max_steps=5)
+    # The scaler alone: by default an inf loss would stop the run (trainer.nonfinite).
+    loop = make_loop(FeatureTask(inf_at_step=5), rows, precision="fp16", max_steps=5, nonfinite="off")
     initial = params(loop.module)
     for step in range(4):  # the scaler may skip a first step or two while it calibrates
         loop.train_step()
@@ -172,3 +173,75 @@ def test_overfit_batches_repeats_the_same_batches_every_epoch():
     rows = []
     make_loop(RegressionTask(), rows, max_steps=None, max_epochs=30, overfit_batches=1).fit()
     assert train_rows(rows)[-1]["loss"] < 0.2 * train_rows(rows)[0]["loss"]
+
+
+def test_a_nonfinite_loss_stops_the_run_at_its_step_before_the_update():
+    loop = make_loop(FeatureTask(inf_at_step=3), max_steps=5)
+    with pytest.raises(NonFiniteLoss, match=r"step 3: the loss is inf on rank 0.*trainer.nonfinite: skip"):
+        loop.fit()
+    assert loop.step == 2 and all(torch.isfinite(p).all() for p in loop.module.parameters())
+
+
+def test_skip_drops_a_nonfinite_step_counts_it_and_stops_after_too_many_in_a_row():
+    rows, events = [], []
+    loop = Loop(FeatureTask(inf_at_step=3, batchnorm=True),
+                LoopSettings(trainer=TrainerConfig(max_steps=5, global_batch_size=32, nonfinite="skip",
+                                                   grad_clip_norm=1.0)),
+                Outlets(report=rows.extend, notify=events.append), rank=0, world_size=1, device=torch.device("cpu"))
+    for _ in range(2):
+        loop.train_step()
+    before = params(loop.module) + [b.clone() for b in loop.module.buffers()]
+    loop.train_step()  # inf: no update, and the BatchNorm statistics of its forward undone
+    after = params(loop.module) + [b.clone() for b in loop.module.buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    loop.fit()
+    assert loop.step == 5 and all(torch.isfinite(p).all() for p in loop.module.parameters())
+    assert [r["nonfinite_skips"] for r in train_rows(rows)] == [0, 0, 1, 1, 1]
+    assert [(e["event"], e["step"]) for e in events if e["event"] == "nonfinite_skipped"] == \
+        [("nonfinite_skipped", 3)]
+
+    class AlwaysInf(FeatureTask):
+        def train_step(self, model, batch):
+            out = super().train_step(model, batch)
+            return {**out, "loss": out["loss"] * float("inf") if self.steps > 1 else out["loss"]}
+
+    loop = make_loop(AlwaysInf(), max_steps=9, nonfinite="skip", nonfinite_max_skips=2)
+    with pytest.raises(NonFiniteLoss, match=r"step 4: .* more than trainer.nonfinite_max_skips=2 in a row"):
+        loop.fit()
+    assert loop.nonfinite_skips == 2
+
+
+class InfOnRankOne(FeatureTask):
+    """The loss is inf at step 3 on rank 1 only."""
+
+    def train_step(self, model, batch):
+        import torch.distributed as dist
+
+        out = super().train_step(model, batch)
+        if self.steps == 3 and dist.get_rank() == 1:
+            out["loss"] = out["loss"] * float("inf")
+        return out
+
+
+def _nonfinite_on_rank_one(rank, world_size, strategy, mode):
+    loop = Loop(InfOnRankOne(), LoopSettings(trainer=TrainerConfig(max_steps=5, global_batch_size=32, strategy=strategy,
+                                                                   nonfinite=mode)),
+                Outlets(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    try:
+        loop.fit()
+    except NonFiniteLoss as exc:
+        return loop.step, str(exc)
+    return loop.step, loop.nonfinite_skips
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_rank_stops_or_skips_the_same_step_when_one_ranks_loss_is_not_finite(strategy):
+    from .dist_procs import run_ranks
+
+    stopped = run_ranks(_nonfinite_on_rank_one, 2, strategy, "stop")
+    assert [step for step, _ in stopped] == [2, 2]
+    if strategy == "ddp":  # the ranks ride beside the loss in the gradient all-reduce
+        assert all(why.startswith("step 3: the loss is inf on rank(s) 1.") for _, why in stopped)
+    else:  # no carried metrics: the reduce-scattered gradient shards are NaN on every rank
+        assert all(why.startswith("step 3: the gradients are not finite") for _, why in stopped)
+    assert run_ranks(_nonfinite_on_rank_one, 2, strategy, "skip") == [(5, 1), (5, 1)]

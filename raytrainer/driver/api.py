@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +22,7 @@ from ..config import Config, dump_config, load_config, resolve_paths
 from ..contract import Resume
 from . import localray
 from .controller import Controller, ControllerSettings, Records
-from ..errors import ConfigError
+from ..errors import ConfigError, Stopped
 from ..task import describe
 from .loggers import build_loggers
 from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
@@ -220,6 +223,32 @@ def _warn(message: str) -> None:
     print(f"raytrainer: warning: {message}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _stop_on_signals(controller: Controller):
+    """The first SIGINT or SIGTERM asks the run to stop at the next step boundary with a
+    checkpoint there (the controller raises Stopped once it is committed); a second one
+    aborts at once (KeyboardInterrupt: the workers are killed on the way out). Ray's own
+    SIGTERM handler (sys.exit, set by ray.init) comes back after the run. Only where
+    signals can be handled: the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if controller.stop_signal is not None:
+            raise KeyboardInterrupt
+        controller.request_stop(signum)
+        print(f"\nraytrainer: {signal.Signals(signum).name}: stopping at the next step boundary with a checkpoint "
+              "there; press Ctrl-C again to abort at once", file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 class _CheckpointArtifacts(Callback):
     """Hands each committed checkpoint (on local storage) to the loggers, which upload it
     where they are set to (log_checkpoints)."""
@@ -280,7 +309,12 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
                           context=RunContext(run_dir, config))
         controller = Controller(group, ControllerSettings.of(config), records, resume=resume,
                                 restore=lambda before=None: _latest(config, storage, before))
-        result = controller.run()
+        try:
+            with _stop_on_signals(controller):
+                result = controller.run()
+        except Stopped as exc:
+            exc.run_dir = str(run_dir) if storage.local else f"{storage.uri.rstrip('/')}/{config.run.name}"
+            raise
         # Rank 0 wrote model.pt to the run's storage: the loggers get its path (a local
         # one; on remote storage they would have to fetch the weights through this process).
         if storage.local and result.model_uri is not None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import math
+import signal
 import sys
 import time
 import warnings
@@ -55,7 +56,8 @@ from typing import Any, Callable
 from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, WorkerError
+from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, Stopped,
+                      WorkerError)
 from .metrics import EventLog, MetricsHub
 from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
 
@@ -158,6 +160,12 @@ class Controller:
         self._status_at = self._reset_at = self._blocked_at = self._silent_at = 0.0
         self._hung_now: list[Failure] = []
         self._gave_up: str | None = None
+        self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
+
+    def request_stop(self, signum: int) -> None:
+        """Stop at the next step boundary the workers agree on, commit a checkpoint there,
+        and raise Stopped (called from the driver's signal handler: only sets a flag)."""
+        self.stop_signal = signum
 
     def run(self) -> Any:
         """Train to the end and return rank 0's final state; raise what stopped the run."""
@@ -180,7 +188,14 @@ class Controller:
                 elif poll.failures or self._hung():
                     self._recover(poll.failures + self._hung_now)
                 elif len(self._paused) == self.world:
+                    if self.stop_signal is not None:
+                        self._stop()
                     self._resize()
+                elif self.stop_signal is not None and self._pause_asked is None:
+                    # A stop pauses the workers as a resize or a drain does: at a step
+                    # boundary every rank agrees on in its metrics reduction.
+                    self.group.pause()
+                    self._pause_asked = time.monotonic()
                 else:
                     self._check_short()
                     self._watch_drains()
@@ -190,6 +205,9 @@ class Controller:
             self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
                             reason=self.result.stop_reason)
             return self.result
+        except Stopped:
+            self.state = State.FAILED
+            raise
         except BaseException as exc:
             self.state = State.FAILED
             self.events.log("failed", step=self.step, **_describe(exc),
@@ -471,6 +489,27 @@ class Controller:
         self._regrowing = max(0, self._regrowing - reformed.added)
         self._note_size()
         self.state = State.RUNNING
+
+    def _stop(self) -> None:
+        """Every worker paused for a stop: commit a checkpoint of that step, say so, raise
+        Stopped (the group is shut down on the way out)."""
+        self.step = self.ctx.step = max(end.step for end in self._paused.values())
+        try:
+            poll = self.group.save_paused()
+            self._record(poll.rows)
+            for event in poll.events:
+                self.events.log(**event)
+                if event["event"] == "checkpoint_committed":
+                    self.callbacks("on_checkpoint", self.ctx, event["path"])
+        except Exception as exc:  # a worker lost now: the newest checkpoint committed before stands
+            message = f"the checkpoint at the stop (step {self.step}) could not be committed: {exc}"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            print(f"raytrainer: warning: {message}", file=sys.stderr)
+        newest = self.restore()
+        name, at = (newest[1], newest[0]) if newest else (None, None)
+        self.events.log("stopped", step=self.step, signal=signal.Signals(self.stop_signal).name,
+                        checkpoint=name, checkpoint_step=at)
+        raise Stopped(self.stop_signal, self.step, name, at)
 
     def _restart(self, leave: list[int] = ()) -> Reformed:
         """Sharded state: start the group again, with every slot the cluster has, from the

@@ -281,6 +281,14 @@ class Worker:
             self.loop.regroup(rank, world_size)
             return self.loop.step
 
+    def save_paused(self) -> int:
+        """After run() returned "paused" for a stop (a signal to the driver): commit a
+        checkpoint of the step it paused at, and wait for it to be written; return that
+        step. Replicated state: rank 0 writes, with no collective (the group is left).
+        Sharded state was saved as it paused (a no-op here)."""
+        self.loop.save_checkpoint(wait=True)
+        return self.loop.step
+
     # ------------------------------------------------------------------ helpers
 
     def _save_model(self, weights: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ nothing half-done, to be regrouped.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TrainerCo
 from ..contract import Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
-from ..errors import ConfigError, TaskError
+from ..errors import ConfigError, NonFiniteLoss, TaskError
 from .input import ValInput, build_train_input, dataset_size
 from .saver import CheckpointSaver
 from .schedule import build_lr_schedule
@@ -165,6 +166,8 @@ class Loop:
         self.phase = "framework"  # or "user": in the task's code (or the data), not in ours
         self._after_pending = False  # the work after self.step (validation, ...) is not done
         self.skipped_steps = 0
+        self.nonfinite_skips = 0  # steps dropped for a non-finite loss (trainer.nonfinite: skip)
+        self._skips_in_row = 0
         self.stop_reason: str | None = None
         self.stopping = EarlyStopping(cfg.early_stopping)
         self.chaos = Chaos(list(settings.chaos), cfg.seed, self.notify, outlets.chaos_claim)
@@ -306,34 +309,42 @@ class Loop:
                 values = self._stack(out, "train") / divisor
                 total = values if total is None else total + values
                 if sync and carrier is not None:
-                    carrier.send(total, self.pause_requested)
+                    carrier.send(self._with_bad_ranks(total), self.pause_requested)
                 # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
                 # the last backward.
                 with self._phase("collective") if sync and self.world_size > 1 else _NO_PHASE:
                     (scaler.scale(loss) if scaler else loss).backward()
             self.progress += 1
         carried = carrier.receive() if carrier is not None else None
+        bad_ranks = None
+        if carried is not None and self.cfg.nonfinite != "off":  # its column rode before the pause flag
+            bad_ranks, carried = carried[-2], torch.cat([carried[:-2], carried[-1:]])
 
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        norm = None
         if self.cfg.grad_clip_norm is not None:
             norm = self.strategy.clip_grad_norm(self.module, self.cfg.grad_clip_norm)
             norm = norm.detach().float().reshape(1).to(total.device)
+        applied = True
+        if self.cfg.nonfinite != "off":
+            applied = self._finite_or_skip(step, total, carried, bad_ranks, norm)
+        if self.cfg.grad_clip_norm is not None:
             # The norm of all-reduced gradients is the same on every rank: carried steps
             # report it as it is; a window reduces it with the rest.
             total = norm if carried is not None else torch.cat([total, norm])
         elif carried is not None:
             total = None
-        applied = True
-        with self._scaled_lr():
-            if scaler is not None:
-                scale = scaler.get_scale()
-                scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan
-                scaler.update()
-                applied = scaler.get_scale() >= scale  # the scale only drops on overflow
-                self.skipped_steps += not applied
-            else:
-                self.optimizer.step()
+        if applied:  # else a non-finite step, skipped (trainer.nonfinite: skip)
+            with self._scaled_lr():
+                if scaler is not None:
+                    scale = scaler.get_scale()
+                    scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan
+                    scaler.update()
+                    applied = scaler.get_scale() >= scale  # the scale only drops on overflow
+                    self.skipped_steps += not applied
+                else:
+                    self.optimizer.step()
         if applied:
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -356,6 +367,8 @@ class Loop:
                 info["mfu"] = info["model_flops_per_s"] / (self.peak_flops * self.world_size)
         if scaler is not None:
             info["skipped_steps"] = self.skipped_steps
+        if self.cfg.nonfinite == "skip":
+            info["nonfinite_skips"] = self.nonfinite_skips
         self.window.add(info, total, carried)
         if self.chaos.due:
             with self._in_user_code():
@@ -417,6 +430,82 @@ class Loop:
         self._pause_agreed |= self.window.flush(keys, self.world_size, pause_requested=self.pause_requested,
                                                 wait=wait)
 
+    # ------------------------------------------------------------------ non-finite steps
+
+    def _with_bad_ranks(self, total: torch.Tensor) -> torch.Tensor:
+        """The step's metrics for the gradient all-reduce, with one more column where the
+        loss is checked: 2**rank if this rank's loss is not finite. Its sum names the ranks
+        (exactly up to 24 of them), and the loss column's sum is not finite on every rank
+        alike: all ranks agree on the step with no collective of its own."""
+        if self.cfg.nonfinite == "off":
+            return total
+        bad = ~torch.isfinite(total[self._train_keys.index("loss")])
+        return torch.cat([total, (bad.float() * 2.0 ** min(self.rank, 120)).reshape(1)])
+
+    def _finite_or_skip(self, step: int, total: torch.Tensor, carried: torch.Tensor | None,
+                        bad_ranks: torch.Tensor | None, norm: torch.Tensor | None) -> bool:
+        """Whether step `step`'s update may be applied: its loss (and gradient norm, where
+        computed) finite on every rank. One copy to the host, of values every rank has
+        alike: the loss summed over ranks where the metrics rode on the gradient all-reduce
+        (DDP), this rank's on its own, and for sharded gradients, whose loss is not summed
+        anywhere, whether this rank's gradient shards are finite (a NaN loss on any rank
+        makes every shard NaN in the reduce-scatter). Under fp16 the gradients are the
+        scaler's to judge (an overflow is skipped and counted, skipped_steps). Otherwise the
+        run stops here (NonFiniteLoss), or, with `skip`, the step is undone and counted."""
+        loss_col = self._train_keys.index("loss")
+        sharded = carried is None and self.world_size > 1
+        parts = [(carried if carried is not None else total)[loss_col].reshape(1).float()]
+        parts.append(bad_ranks.reshape(1) if bad_ranks is not None else total[loss_col].reshape(1).float())
+        grads = self.scaler is None
+        if grads and norm is not None:
+            parts.append(norm.reshape(1))
+        elif grads and sharded:
+            shards = [g.to_local() if hasattr(g, "to_local") else g
+                      for g in (p.grad for p in self.module.parameters()) if g is not None]
+            finite = torch.stack([torch.isfinite(g).all() for g in shards]).all() if shards else torch.tensor(True)
+            parts.append(torch.where(finite, 0.0, float("nan")).reshape(1).to(parts[0].device))
+        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
+        loss, other = values[0], values[1]
+        bad_loss = not sharded and not math.isfinite(loss)
+        bad_grads = len(values) > 2 and not math.isfinite(values[2])
+        if not (bad_loss or bad_grads):
+            self._skips_in_row = 0
+            return True
+        if bad_loss:
+            metric = f"the loss is {loss}"
+            if bad_ranks is None:
+                where = f" on rank {self.rank}" if self.world_size == 1 else ""
+            elif 0 < other and self.world_size <= 24:
+                code = int(other)
+                where = " on rank(s) " + ", ".join(str(r) for r in range(self.world_size) if code >> r & 1)
+            else:
+                where = " on some rank(s)"
+        elif norm is not None:
+            metric, where = f"the gradient norm is {values[2]}", f" (the loss, summed over ranks: {loss})"
+        else:
+            metric = "the gradients are not finite"
+            where = f" (the loss on rank {self.rank}: {other})"
+        what = f"step {step}: {metric}{where}"
+        if self.cfg.nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"{what}. The run stops before applying that update (trainer.nonfinite=stop): the weights "
+                "and every committed checkpoint hold finite values. Look for the input that makes it (a "
+                "record with inf or NaN features, a log of 0, a division by zero) or lower the learning "
+                "rate, then `raytrainer resume` the run; or set trainer.nonfinite: skip to drop such steps")
+        self._skips_in_row += 1
+        if self._skips_in_row > self.cfg.nonfinite_max_skips:
+            raise NonFiniteLoss(
+                f"{what}, and the {self._skips_in_row - 1} steps before it were skipped for the same reason: "
+                f"more than trainer.nonfinite_max_skips={self.cfg.nonfinite_max_skips} in a row, so the run "
+                "stops (the weights and checkpoints hold finite values). Look for the input or the "
+                "learning rate that makes it, then `raytrainer resume` the run")
+        self.train.abandon_step()  # its gradients and BatchNorm statistics go; the data moves on
+        self.nonfinite_skips += 1
+        if self.rank == 0:
+            self.notify({"event": "nonfinite_skipped", "step": step, "why": what,
+                         "nonfinite_skips": self.nonfinite_skips})
+        return False
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -425,7 +514,8 @@ class Loop:
             **self.train.state_dict(),
             "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
             "loop": {"step": self.step, "epoch": self.epoch, "position": self.position,
-                     "skipped_steps": self.skipped_steps, "best": self.stopping.best,
+                     "skipped_steps": self.skipped_steps, "nonfinite_skips": self.nonfinite_skips,
+                     "best": self.stopping.best,
                      "bad_validations": self.stopping.bad_validations, "after_pending": self._after_pending,
                      "stop_reason": self.stop_reason,
                      "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
@@ -446,6 +536,7 @@ class Loop:
             )
         self.train.load_state_dict(state)
         self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
+        self.nonfinite_skips = saved.get("nonfinite_skips", 0)
         if "position" in saved:
             self.epoch, self.position = saved["epoch"], saved["position"]
         else:  # written before the position was saved: always a fixed global batch then
@@ -457,8 +548,10 @@ class Loop:
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, wait: bool = False) -> None:
         self.saver.save(self.step, self.state_dict, self.latest_metrics)
+        if wait:
+            self.saver.finish()
 
     def _committed(self, ckpt: Committed, path: str) -> None:
         self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,

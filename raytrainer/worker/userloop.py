@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -79,6 +81,7 @@ class UserLoop:
         self.model: torch.nn.Module | None = None  # what ctx.prepare_model wrapped: the final weights
         self._reported = 0  # the newest step reported (rows), ahead of `step` where no state came
         self._pause_agreed = False
+        self._warned_nonfinite = False  # a non-finite loss reported: said once
         # The rows of the latest reports, on every rank and in the state a survivor gives:
         # rank 0 may die holding rows the driver has not read yet; after a recovery, the
         # new rank 0 (often the lost one's replacement) sends those up to the state it goes
@@ -138,6 +141,13 @@ class UserLoop:
         self.model = None
         self.phase = "user"
 
+    def save_checkpoint(self, wait: bool = False) -> None:
+        """A checkpoint of the state held (that of the report it paused at), as a Task's loop
+        saves one (actor.save_paused: a stop on a signal)."""
+        self._save()
+        if wait:
+            self.saver.finish()
+
     def close_inputs(self) -> None:
         """Nothing to stop: the loop's own DataLoaders end with fn."""
 
@@ -172,12 +182,25 @@ class UserLoop:
         self._history.append(row)
         if self.rank == 0:
             self._rows([row])
+            loss = row.get("loss")
+            if isinstance(loss, float) and not math.isfinite(loss) and not self._warned_nonfinite:
+                self._warn_nonfinite(step, loss)
         if checkpoint is not None:
             self._save(Path(checkpoint), dict(numeric))
         elif everyone_has_state and self.saver.cfg.every_n_steps and step % self.saver.cfg.every_n_steps == 0:
             self._save(metrics=dict(numeric))
         if self._pause_agreed and everyone_has_state:
             raise Paused()
+
+    def _warn_nonfinite(self, step: int, loss: float) -> None:
+        """Your loop owns its updates (the optimizer step came before the report), so a
+        non-finite loss is only said, once: a warning on the driver's console and an event."""
+        self._warned_nonfinite = True
+        what = (f"step {step}: the loss your loop reported is {loss} (averaged over ranks); raytrainer does "
+                "not stop your own loop for it: check for it in your loop (e.g. torch.isfinite(loss)) and "
+                "skip the update or stop")
+        print(f"raytrainer: warning: {what}", file=sys.stderr, flush=True)
+        self.notify({"event": "nonfinite_loss", "step": step, "why": what})
 
     def sampled(self) -> None:
         self.progress += 1

@@ -165,6 +165,19 @@ class RayWorkerGroup:
         for actor in self.roster.actors:
             control(actor, "request_pause").remote()
 
+    def save_paused(self) -> Poll:
+        """Every worker has paused: have them commit a checkpoint of that step (rank 0 writes
+        a replicated state; a sharded one was written as they paused) and wait for it;
+        then collect rank 0's rows and events."""
+        gather([actor.save_paused.remote() for actor in self.roster.actors])
+        poll = Poll()
+        stale = self._drain_ref is not None  # asked before the save: it answers without its events
+        for _ in range(2 if stale else 1):
+            rows, events = self._drain(timeout=30.0)
+            poll.rows += rows
+            poll.events += events
+        return poll
+
     def joinable(self) -> int:
         """Start a worker in every free slot the cluster has placed; return how many
         started workers are ready to join at the next `reform`."""
