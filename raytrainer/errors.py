@@ -56,3 +56,8 @@ class WorkerError(RaytrainerError):
 
     def __reduce__(self):  # crosses process boundaries through Ray
         return (type(self), (self.rank, self.message, self.traceback, self.step))
+
+
+class StorageError(RaytrainerError):
+    """The end of the run could not be saved (its final checkpoint or model.pt) after
+    retries: the message says where, why, and which checkpoint is kept."""

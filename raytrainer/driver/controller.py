@@ -118,6 +118,8 @@ class Records:
 
 
 class Controller:
+    _kept_step: int | None = None  # the newest committed checkpoint's step, for a failed save's warning
+
     def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
                  resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None):
         self.group = group
@@ -215,6 +217,7 @@ class Controller:
         self.step = self.ctx.step = resume[0] if resume else 0
         self._train_step = max(self._train_step, self.step)
         if resume:
+            self._kept_step = max(resume[0], self._kept_step or 0)
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
         if self.progress is not None:
             self.progress.total_steps = formed.total_steps
@@ -250,7 +253,10 @@ class Controller:
         for event in poll.events:
             self.events.log(**event)
             if event["event"] == "checkpoint_committed":
+                self._kept_step = max(event["step"], self._kept_step or 0)
                 self.callbacks("on_checkpoint", self.ctx, event["path"])
+            elif event["event"] == "checkpoint_failed":
+                _warn_save_failed(event, self._kept_step)
         return poll
 
     def _poll_wait(self) -> float:
@@ -663,3 +669,11 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, KeyboardInterrupt):
         return {"cause": "interrupted", "error": "KeyboardInterrupt"}
     return {"cause": f"{type(exc).__name__}: {exc}", "error": type(exc).__name__}
+
+
+def _warn_save_failed(event: dict[str, Any], kept: int | None) -> None:
+    """One line per failed save: training goes on, and the user learns what is kept."""
+    print(f"raytrainer: warning: the checkpoint of step {event['step']} could not be written to "
+          f"{event['path']} ({event['cause']}); training goes on, nothing of it is committed, "
+          + (f"the checkpoint of step {kept} stays the newest" if kept is not None else
+             "no checkpoint is committed yet") + "; the next save tries again", file=sys.stderr)
