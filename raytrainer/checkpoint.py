@@ -42,11 +42,41 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import CheckpointConfig
+from .errors import StorageError
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 STATE = "state.pt"
+
+
+# The final save's waits between tries (s): a storage blip of up to about a minute (an
+# endpoint restarting, a disk being cleaned) does not fail a run that trained to its end.
+FINAL_BACKOFF_S = (2.0, 8.0, 30.0)
+
+
+def with_retries(write: Callable[[], Any], what: str, where: str, kept: Callable[[], str],
+                 backoff: tuple[float, ...] | None = None) -> Any:
+    """`write()`, tried again after each wait of `backoff` (FINAL_BACKOFF_S) while it
+    raises; then a StorageError naming `what`, `where`, the last cause and what is `kept`."""
+    backoff = FINAL_BACKOFF_S if backoff is None else backoff
+    for attempt in range(len(backoff) + 1):
+        try:
+            return write()
+        except Exception as exc:  # noqa: BLE001 - the cause goes into the error
+            cause = cause_of(exc)
+            if attempt < len(backoff):
+                log.warning("writing %s to %s failed (%s); trying again in %.0f s", what, where, cause,
+                            backoff[attempt])
+                time.sleep(backoff[attempt])
+    raise StorageError(f"the run trained to its end, but {what} could not be written to {where} "
+                       f"({len(backoff) + 1} tries over {sum(backoff):.0f} s): {cause}. {kept()}")
+
+
+def cause_of(exc: BaseException) -> str:
+    """An error's type and first line, short enough for an event and a warning."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
 class Storage:

@@ -80,11 +80,11 @@ def test_an_async_save_writes_what_a_sync_one_does_from_a_process_of_its_own(tmp
 def test_a_failed_save_is_reported_and_skipped_and_only_a_failed_final_save_raises(tmp_path, monkeypatch,
                                                                                 async_save):
     from raytrainer.errors import StorageError
-    from raytrainer.worker import saver as saver_module
+    from raytrainer import checkpoint as checkpoint_module
 
     from .writers import FailingCheckpoints
 
-    monkeypatch.setattr(saver_module, "FINAL_BACKOFF_S", (0.01, 0.01))
+    monkeypatch.setattr(checkpoint_module, "FINAL_BACKOFF_S", (0.01, 0.01))
     commits, failures = [], []
     checkpoints = FailingCheckpoints(Storage(str(tmp_path)), "run", CheckpointConfig(), fail_from=2)
     writer = saver(checkpoints, commits, async_save=async_save)

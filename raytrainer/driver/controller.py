@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import enum
 import math
-import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -55,7 +53,7 @@ from typing import Any, Callable
 from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, WorkerError
+from ..errors import CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, WorkerError, warn
 from .metrics import EventLog, MetricsHub
 from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
 
@@ -237,8 +235,7 @@ class Controller:
                 return self.group.setup(resume[2] if resume else None), resume
             except CheckpointCorrupt as exc:
                 message = f"{exc}; falling back to an older one"
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                print(f"raytrainer: warning: {message}", file=sys.stderr)
+                warn(message)  # once: the CLI shows it as a plain line, the API as a warning
                 self.events.log("checkpoint_skipped", step=resume[0], checkpoint=resume[1], why=exc.why)
                 resume = self.restore(resume[0])
                 if resume is None and self.state is State.STARTING:  # nothing to resume from after all
@@ -673,7 +670,7 @@ def _describe(exc: BaseException) -> dict[str, Any]:
 
 def _warn_save_failed(event: dict[str, Any], kept: int | None) -> None:
     """One line per failed save: training goes on, and the user learns what is kept."""
-    print(f"raytrainer: warning: the checkpoint of step {event['step']} could not be written to "
-          f"{event['path']} ({event['cause']}); training goes on, nothing of it is committed, "
-          + (f"the checkpoint of step {kept} stays the newest" if kept is not None else
-             "no checkpoint is committed yet") + "; the next save tries again", file=sys.stderr)
+    warn(f"the checkpoint of step {event['step']} could not be written to {event['path']} ({event['cause']}); "
+         "training goes on, nothing of it is committed, "
+         + (f"the checkpoint of step {kept} stays the newest" if kept is not None else
+            "no checkpoint is committed yet") + "; the next save tries again")

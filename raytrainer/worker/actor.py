@@ -280,7 +280,7 @@ class Worker:
         all; return where (the driver hands that path to its loggers, never the bytes)."""
         from ..checkpoint import Storage
 
-        from .saver import with_retries
+        from ..checkpoint import with_retries
 
         run = self.config.run
         storage = Storage(run.storage)

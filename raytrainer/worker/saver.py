@@ -8,7 +8,7 @@ newest (retention runs only after a commit), and `on_failure` reports it (the dr
 logs `checkpoint_failed` and warns once per failed save). The next save is the retry:
 the next `every_n_steps`, or the time trigger brought forward (`retry_in`: 1, 2, 4 ...
 minutes, never later than `every_n_minutes`). Only the final save (the end of the run)
-must succeed: it is tried FINAL_TRIES times over about a minute, then the run fails with
+must succeed: it is tried 4 times over about a minute (checkpoint.with_retries), then the run fails with
 a StorageError that says where, why, and which checkpoint is kept.
 
 Replicated state (DDP): rank 0 writes state.pt, the other ranks go on at once.
@@ -22,42 +22,15 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..checkpoint import Checkpoints, Committed
+from ..checkpoint import Checkpoints, Committed, cause_of, with_retries
 from ..config import CheckpointConfig
 from ..errors import StorageError
 
 log = logging.getLogger(__name__)
 
-# The final save's waits between tries (s): a storage blip of up to about a minute (an
-# endpoint restarting, a disk being cleaned) does not fail a run that trained to its end.
-FINAL_BACKOFF_S = (2.0, 8.0, 30.0)
-FINAL_TRIES = len(FINAL_BACKOFF_S) + 1
 # A failed periodic save is tried again this long after it (doubling per failure in a row),
 # or at the next every_n_steps, whichever comes first; never later than every_n_minutes.
 RETRY_FIRST_S = 60.0
-
-
-def with_retries(write: Callable[[], Any], what: str, where: str, kept: Callable[[], str],
-                 backoff: tuple[float, ...] | None = None) -> Any:
-    """`write()`, tried again after each wait of `backoff` while it raises; then a
-    StorageError naming `what`, `where`, the last cause and what is `kept`."""
-    backoff = FINAL_BACKOFF_S if backoff is None else backoff
-    for attempt in range(len(backoff) + 1):
-        try:
-            return write()
-        except Exception as exc:  # noqa: BLE001 - the cause goes into the error
-            cause = _cause(exc)
-            if attempt < len(backoff):
-                log.warning("writing %s to %s failed (%s); trying again in %.0f s", what, where, cause,
-                            backoff[attempt])
-                time.sleep(backoff[attempt])
-    raise StorageError(f"the run trained to its end, but {what} could not be written to {where} "
-                       f"({len(backoff) + 1} tries over {sum(backoff):.0f} s): {cause}. {kept()}")
-
-
-def _cause(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
 class CheckpointSaver:
@@ -229,7 +202,7 @@ class CheckpointSaver:
         """A save failed (on the training thread, the writer's answers thread or DCP's):
         nothing of it is committed; report it once, and bring the next try forward."""
         step = self.saved_step if step is None else step
-        self._failed_step, self._last_cause = step, _cause(exc)
+        self._failed_step, self._last_cause = step, cause_of(exc)
         self.failures_in_row += 1
         if self.checkpoints is not None and self.rank == 0:
             self.checkpoints.discard(self.checkpoints.rel(step).rsplit("/", 1)[-1])
