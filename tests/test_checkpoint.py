@@ -292,13 +292,23 @@ def test_cli_resume_at_another_size_trains_on_that_many_workers(ray_local, tmp_p
     assert_no_leaks()
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(ray_local, tmp_path):
+def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_with_one_warning(ray_local, tmp_path, capfd):
+    from raytrainer.driver.cli import main
+
     raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 6}), progress=False)
     newest = tmp_path / "corrupt" / "checkpoints" / "step-00000006" / "state.pt"
     newest.write_bytes(b"garbage")
-    with pytest.warns(RuntimeWarning, match="step-00000006 is corrupt"):
+    with pytest.warns(RuntimeWarning, match="step-00000006 is corrupt") as caught:
         result = raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 8}), progress=False)
     assert [e["step"] for e in result.events if e["event"] == "resumed"] == [3]
+    assert len([w for w in caught if "is corrupt" in str(w.message)]) == 1
+    assert "is corrupt" not in capfd.readouterr().err  # a warning, not also a print
+    # From the CLI: one line on stderr, not the warning and a print of it
+    (tmp_path / "corrupt" / "checkpoints" / "step-00000008" / "state.pt").write_bytes(b"garbage")
+    assert main(["resume", str(tmp_path / "corrupt"), "--no-progress", "--set", "trainer.max_steps=9"]) == 0
+    err = capfd.readouterr().err
+    assert err.count("step-00000008 is corrupt") == 1, err
+    assert "raytrainer: warning: checkpoint step-00000008 is corrupt" in err
 
 
 def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):

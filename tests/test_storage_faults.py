@@ -229,3 +229,54 @@ def test_a_task_whose_init_raises_fails_at_once_naming_the_task_and_the_tracebac
     events = events_of(tmp_path / "noinit" / "events.jsonl")
     assert not any(e["event"] == "recovered" for e in events)
     assert_no_leaks()
+
+
+# ---------------------------------------------------------------------------- time-based checkpoints
+
+
+def test_the_requests_ride_the_reduction_as_one_number_that_keeps_both():
+    from raytrainer.worker.window import decode_flags, encode_flags
+
+    for world in (1, 2, 3, 8, 512):
+        for pauses in sorted({0, 1, world}):
+            for saves in sorted({0, 1, world}):
+                total = sum(encode_flags(r < pauses, r < saves, world) for r in range(world))
+                mean = float(torch.tensor(total, dtype=torch.float32) / world)  # as the ranks read it
+                assert decode_flags(mean, world) == (pauses > 0, saves > 0), (world, pauses, saves)
+
+
+def test_the_time_trigger_backs_off_after_a_failed_save_and_never_waits_longer_than_the_interval(tmp_path):
+    from raytrainer.worker.saver import CheckpointSaver
+
+    from .writers import FailingCheckpoints
+
+    cfg = CheckpointConfig(every_n_minutes=30)
+    saver = CheckpointSaver(FailingCheckpoints(Storage(str(tmp_path)), "run", cfg, fail_from=2), cfg,
+                            lambda ckpt, path: None)
+    assert saver.retry_in() == 1800 and not saver.time_due()
+    saver.last_attempt -= 1801
+    assert saver.time_due()
+    saver.save(1, lambda: state(1, 10), {})
+    assert not saver.time_due() and saver.committed_step == 1
+    waits = []
+    for step in range(2, 9):
+        saver.save(step, lambda: state(step, 10), {})
+        waits.append(saver.retry_in())
+    assert waits == [60, 120, 240, 480, 960, 1800, 1800]  # 1, 2, 4 ... minutes, at most every_n_minutes
+    assert CheckpointSaver(None, CheckpointConfig(every_n_minutes=None), lambda c, p: None).retry_in() is None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_time_based_checkpoint_is_saved_mid_run_at_one_step_on_every_rank(ray_local, tmp_path, strategy):
+    """No every_n_steps: rank 0's clock asks, every rank saves at the step the reduction
+    agreed (under FSDP every rank writes its shards: ranks that disagreed would hang)."""
+    cfg = run_config(tmp_path, strategy, sleep_s=0.05, hidden=16)
+    cfg["trainer"] = {"max_steps": 40, "global_batch_size": 32, "strategy": strategy}
+    cfg["checkpoint"] = {"every_n_minutes": 0.01, "keep_last": 100}  # 0.6 s
+    raytrainer.train(cfg, progress=False)
+    events = events_of(tmp_path / strategy / "events.jsonl")
+    steps = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+    assert len(steps) >= 2 and steps[-1] == 40 and steps == sorted(set(steps))
+    assert not any(e["event"] in ("worker_failed", "checkpoint_failed") for e in events)
+    assert [c.step for c in Checkpoints(Storage(str(tmp_path)), strategy, CheckpointConfig()).committed()] == steps
+    assert_no_leaks()
