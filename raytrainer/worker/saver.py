@@ -104,7 +104,7 @@ class CheckpointSaver:
         if step != self.saved_step:
             self.save(step, state, metrics)
         self.finish()
-        if self.replicated and self.rank != 0 or self.committed_step >= step:
+        if self._failed_step != step:  # committed, or saved before (or by another rank: replicated)
             return
         if not self.replicated:
             # Every rank writes its shards: a retry would be a collective every rank must
@@ -196,6 +196,8 @@ class CheckpointSaver:
     def _committed(self, ckpt: Committed) -> None:
         self.committed_step = max(self.committed_step, ckpt.step)
         self.failures_in_row = 0
+        if self._failed_step == ckpt.step:
+            self._failed_step = None
         self.on_commit(ckpt, self.checkpoints.storage.path(f"{self.checkpoints.prefix}/{ckpt.name}"))
 
     def _failed(self, exc: BaseException, step: int | None = None) -> None:
@@ -204,7 +206,9 @@ class CheckpointSaver:
         step = self.saved_step if step is None else step
         self._failed_step, self._last_cause = step, cause_of(exc)
         self.failures_in_row += 1
-        if self.checkpoints is not None and self.rank == 0:
+        if self.rank != 0:
+            return  # a sharded save's error reaches every rank (DCP): rank 0 reports it, once
+        if self.checkpoints is not None:
             self.checkpoints.discard(self.checkpoints.rel(step).rsplit("/", 1)[-1])
         self.on_failure(step, self._where(step) if self.checkpoints is not None else "", self._last_cause)
 
