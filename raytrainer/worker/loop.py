@@ -419,8 +419,10 @@ class Loop:
     def flush(self, wait: bool = False) -> None:
         """Reduce the buffered steps' metrics over ranks and report them (see window.py)."""
         keys = (self._train_keys or []) + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
+        # Carried steps sent their ask with their gradients (train_step); a window sends it here.
+        ask = self.strategy.carrier is None and self._save_wanted()
         self._pause_agreed |= self.window.flush(keys, self.world_size, pause_requested=self.pause_requested,
-                                                wait=wait, save_requested=self._save_wanted())
+                                                wait=wait, save_requested=ask)
 
     # ------------------------------------------------------------------ state
 

@@ -70,18 +70,22 @@ class CheckpointSaver:
             return
         started = time.perf_counter()
         if not self.replicated:
-            self._save_sharded(step, state(), dict(metrics), started)
+            self._save_sharded(step, state(), dict(metrics), started, self.cfg.async_save)
         elif self.cfg.async_save:
             self._process_writer().submit(step, state(), dict(metrics))
             self.blocked_s[step] = time.perf_counter() - started
         else:
-            try:
-                ckpt = self.checkpoints.write(step, state(), dict(metrics))
-            except Exception as exc:  # noqa: BLE001 - reported; training goes on
-                self._failed(exc, step)
-                return
-            self.blocked_s[step] = time.perf_counter() - started
-            self._committed(ckpt)
+            self._write(step, state, metrics, started)
+
+    def _write(self, step: int, state: Callable[[], dict[str, Any]], metrics: dict[str, float],
+               started: float) -> None:
+        try:
+            ckpt = self.checkpoints.write(step, state(), dict(metrics))
+        except Exception as exc:  # noqa: BLE001 - reported; training goes on
+            self._failed(exc, step)
+            return
+        self.blocked_s[step] = time.perf_counter() - started
+        self._committed(ckpt)
 
     def retry_in(self) -> float | None:
         """Seconds from the last save until the time trigger is due (None: no time trigger)."""
@@ -101,9 +105,15 @@ class CheckpointSaver:
     def _save_final(self, step: int, state: Callable[[], dict[str, Any]], metrics: dict[str, float]) -> None:
         if self.checkpoints is None:
             return
+        self.finish()  # a save under way lands first
         if step != self.saved_step:
-            self.save(step, state, metrics)
-        self.finish()
+            # In this thread, async or not: the run waits for its end anyway, and its
+            # outcome must be known here.
+            self.saved_step, self.last_attempt = step, time.monotonic()
+            if not self.replicated:
+                self._save_sharded(step, state(), dict(metrics), time.perf_counter(), False)
+            elif self.rank == 0:
+                self._write(step, state, metrics, time.perf_counter())
         if self._failed_step != step:  # committed, or saved before (or by another rank: replicated)
             return
         if not self.replicated:
@@ -140,11 +150,12 @@ class CheckpointSaver:
             self._writer = ProcessWriter(self.checkpoints, self._committed, self._failed)
         return self._writer
 
-    def _save_sharded(self, step: int, state: dict[str, Any], metrics: dict[str, float], started: float) -> None:
+    def _save_sharded(self, step: int, state: dict[str, Any], metrics: dict[str, float], started: float,
+                      in_background: bool) -> None:
         from .sharded import AsyncShardedSaver, save_sharded
 
         checkpoints = self.checkpoints
-        if not self.cfg.async_save:
+        if not in_background:
             try:
                 files = save_sharded(state, checkpoints.storage, checkpoints.rel(step))
                 self.blocked_s[step] = time.perf_counter() - started
