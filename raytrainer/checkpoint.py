@@ -16,7 +16,10 @@ torch.distributed.checkpoint; see sharded.py):
 
 A checkpoint exists only once its COMMITTED marker does, and the marker is
 written last, so a crash or kill mid-write leaves the previous checkpoint as
-the latest (rename is not atomic on object stores; a marker is). The manifest's
+the latest (rename is not atomic on object stores; a marker is). A write that fails
+(a full disk, storage that cannot be reached) removes what it left of its directory, so
+a full disk is not kept full by a half-written checkpoint, and never touches a committed
+one: retention runs only after a commit. The manifest's
 checksum catches a truncated or corrupted state.pt at load time, and the next
 older checkpoint is used instead, with a warning. Everything loads with
 torch.load(weights_only=True): a checkpoint never unpickles code.
@@ -27,6 +30,7 @@ and verify them (read_checkpoint): model bytes never pass through the driver.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -38,11 +42,41 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import CheckpointConfig
+from .errors import StorageError
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 STATE = "state.pt"
+
+
+# The final save's waits between tries (s): a storage blip of up to about a minute (an
+# endpoint restarting, a disk being cleaned) does not fail a run that trained to its end.
+FINAL_BACKOFF_S = (2.0, 8.0, 30.0)
+
+
+def with_retries(write: Callable[[], Any], what: str, where: str, kept: Callable[[], str],
+                 backoff: tuple[float, ...] | None = None) -> Any:
+    """`write()`, tried again after each wait of `backoff` (FINAL_BACKOFF_S) while it
+    raises; then a StorageError naming `what`, `where`, the last cause and what is `kept`."""
+    backoff = FINAL_BACKOFF_S if backoff is None else backoff
+    for attempt in range(len(backoff) + 1):
+        try:
+            return write()
+        except Exception as exc:  # noqa: BLE001 - the cause goes into the error
+            cause = cause_of(exc)
+            if attempt < len(backoff):
+                log.warning("writing %s to %s failed (%s); trying again in %.0f s", what, where, cause,
+                            backoff[attempt])
+                time.sleep(backoff[attempt])
+    raise StorageError(f"the run trained to its end, but {what} could not be written to {where} "
+                       f"({len(backoff) + 1} tries over {sum(backoff):.0f} s): {cause}. {kept()}")
+
+
+def cause_of(exc: BaseException) -> str:
+    """An error's type and first line, short enough for an event and a warning."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
 class Storage:
@@ -179,7 +213,10 @@ class Checkpoints:
         for name in self.storage.list_dirs(self.prefix):
             marker = f"{self.prefix}/{name}/{MARKER}"
             if name.startswith("step-") and self.storage.exists(marker):
-                manifest = json.loads(self.storage.read(marker))
+                try:
+                    manifest = json.loads(self.storage.read(marker))
+                except ValueError:  # a marker cut short by a full disk (written before markers were atomic)
+                    continue
                 found.append(Committed(manifest["step"], name, manifest))
         return sorted(found, key=lambda c: c.step)
 
@@ -207,7 +244,27 @@ class Checkpoints:
     def write(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Committed:
         """Serialise, write, then commit with the marker; then apply retention."""
         name = checkpoint_name(step)
-        return self._commit(step, name, {STATE: self._write_state(name, state)}, metrics)
+        with self._discarded_on_failure(name):
+            return self._commit(step, name, {STATE: self._write_state(name, state)}, metrics)
+
+    @contextlib.contextmanager
+    def _discarded_on_failure(self, name: str):
+        """Remove what a failed write of checkpoint `name` left (uncommitted only), then raise."""
+        try:
+            yield
+        except BaseException:
+            self.discard(name)
+            raise
+
+    def discard(self, name: str) -> None:
+        """Delete checkpoint `name`'s directory unless it is committed: what a failed write
+        left there would keep a full disk full. Best effort: the storage may be failing."""
+        rel = f"{self.prefix}/{name}"
+        try:
+            if self.storage.exists(rel) and not self.storage.exists(f"{rel}/{MARKER}"):
+                self.storage.delete_dir(rel)
+        except OSError as exc:
+            log.debug("could not remove the partial checkpoint %s: %s", rel, exc)
 
     def _write_state(self, name: str, state: dict[str, Any]) -> dict[str, Any]:
         """Write state.pt of checkpoint `name`; its manifest entry."""
@@ -235,11 +292,12 @@ class Checkpoints:
             raise TaskError(f"the checkpoint directory {directory!r} holds {', '.join(clash)}, names raytrainer "
                             "keeps for its own files there; rename them")
         name = checkpoint_name(step)
-        self.storage.fs.create_dir(self.storage.path(f"{self.prefix}/{name}"), recursive=True)
-        pafs.copy_files(str(root), self.storage.path(f"{self.prefix}/{name}"),
-                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.storage.fs)
-        files[STATE] = self._write_state(name, state)
-        return self._commit(step, name, files, metrics)
+        with self._discarded_on_failure(name):
+            self.storage.fs.create_dir(self.storage.path(f"{self.prefix}/{name}"), recursive=True)
+            pafs.copy_files(str(root), self.storage.path(f"{self.prefix}/{name}"),
+                            source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.storage.fs)
+            files[STATE] = self._write_state(name, state)
+            return self._commit(step, name, files, metrics)
 
     def rel(self, step: int) -> str:
         """The directory of the checkpoint of `step`, relative to the storage."""
@@ -253,8 +311,12 @@ class Checkpoints:
     def _commit(self, step: int, name: str, files: dict[str, Any], metrics: dict[str, float],
                 **extra: Any) -> Committed:
         manifest = {"step": step, "time": time.time(), **extra, "files": files, "metrics": metrics}
-        self.storage.write(f"{self.prefix}/{name}/{MARKER}", json.dumps(manifest).encode())
-        self.prune()
+        # Atomic: a marker cut short by a full disk must not exist, let alone look committed.
+        self.storage.write_atomic(f"{self.prefix}/{name}/{MARKER}", json.dumps(manifest).encode())
+        try:
+            self.prune()
+        except OSError as exc:  # committed all the same; the next commit prunes again
+            log.warning("retention could not delete old checkpoints of %s: %s", self.prefix, exc)
         return Committed(step, name, manifest)
 
     def prune(self) -> list[str]:

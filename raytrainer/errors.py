@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 
 class RaytrainerError(Exception):
     """Root of every error raytrainer raises on purpose."""
@@ -83,3 +85,34 @@ class Stopped(KeyboardInterrupt):
 
     def __reduce__(self):
         return (type(self), (self.signum, self.step, self.checkpoint, self.checkpoint_step, self.run_dir))
+
+
+class StorageError(RaytrainerError):
+    """The end of the run could not be saved (its final checkpoint or model.pt) after
+    retries: the message says where, why, and which checkpoint is kept."""
+
+
+class RaytrainerWarning(RuntimeWarning):
+    """Something the user must know that does not stop the run (a skipped checkpoint, a
+    failed save): shown once, as `raytrainer: warning: ...` by the CLI."""
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """Warn once: through `warnings` only (catchable, filterable), never also printed."""
+    warnings.warn(message, RaytrainerWarning, stacklevel=stacklevel + 1)
+
+
+def show_warnings_plainly() -> None:
+    """The CLI's display: `raytrainer: warning: <message>`, one line, every time."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, RaytrainerWarning):
+            import sys
+
+            print(f"raytrainer: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    warnings.simplefilter("always", RaytrainerWarning)

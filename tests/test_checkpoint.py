@@ -76,21 +76,35 @@ def test_an_async_save_writes_what_a_sync_one_does_from_a_process_of_its_own(tmp
     assert writer._writer._proc is None  # closed: its process is gone
 
 
-def test_a_failed_async_write_fails_the_next_save_or_the_end(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_is_reported_and_skipped_and_only_a_failed_final_save_raises(tmp_path, monkeypatch,
+                                                                                async_save):
+    from raytrainer.errors import StorageError
+    from raytrainer import checkpoint as checkpoint_module
+
     from .writers import FailingCheckpoints
 
-    commits = []
+    monkeypatch.setattr(checkpoint_module, "FINAL_BACKOFF_S", (0.01, 0.01))
+    commits, failures = [], []
     checkpoints = FailingCheckpoints(Storage(str(tmp_path)), "run", CheckpointConfig(), fail_from=2)
-    writer = saver(checkpoints, commits, async_save=True)
+    writer = saver(checkpoints, commits, async_save=async_save)
+    writer.on_failure = lambda step, path, cause: failures.append((step, cause))
     writer.save(1, lambda: state(1), {})
-    writer.save(2, lambda: state(2), {})
-    writer._writer.wait()
-    with pytest.raises(RuntimeError, match="writing a checkpoint failed: .*no space left on device"):
-        writer.save(3, lambda: state(3), {})
-    writer.save(4, lambda: state(4), {})
-    with pytest.raises(RuntimeError, match="no space left on device .step 4."):
-        writer.finish()
-    assert commits == [1]
+    writer.save(2, lambda: state(2), {})  # fails: reported, not raised
+    writer.save(3, lambda: state(3), {})
+    writer.finish()
+    assert commits == [1] and [step for step, _ in failures] == [2, 3]
+    assert all("no space left on device" in cause for _, cause in failures)
+    assert writer.failures_in_row == 2 and [c.step for c in checkpoints.committed()] == [1]
+    with pytest.raises(StorageError, match=r"final checkpoint \(step 4\) could not be written to .*step-00000004 "
+                       r"\(3 tries.*no space left on device.*Kept: the checkpoint of step 1, .*step-00000001"):
+        writer.save(4, lambda: state(4), {}, final=True)
+    assert [c.step for c in checkpoints.committed()] == [1]  # retention never ran for a failed save
+    checkpoints.fail_from = 99  # the storage is back: the final save succeeds on a retry
+    writer.save(4, lambda: state(4), {}, final=True)
+    assert commits == [1, 4] and writer.failures_in_row == 0
+    if not async_save:
+        return
     # A saver no one holds any more (its loop replaced after a recovery) lets its writer go.
     import gc
 
@@ -278,13 +292,23 @@ def test_cli_resume_at_another_size_trains_on_that_many_workers(ray_local, tmp_p
     assert_no_leaks()
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(ray_local, tmp_path):
+def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_with_one_warning(ray_local, tmp_path, capfd):
+    from raytrainer.driver.cli import main
+
     raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 6}), progress=False)
     newest = tmp_path / "corrupt" / "checkpoints" / "step-00000006" / "state.pt"
     newest.write_bytes(b"garbage")
-    with pytest.warns(RuntimeWarning, match="step-00000006 is corrupt"):
+    with pytest.warns(RuntimeWarning, match="step-00000006 is corrupt") as caught:
         result = raytrainer.train(config(tmp_path, "corrupt", trainer={"max_steps": 8}), progress=False)
     assert [e["step"] for e in result.events if e["event"] == "resumed"] == [3]
+    assert len([w for w in caught if "is corrupt" in str(w.message)]) == 1
+    assert "is corrupt" not in capfd.readouterr().err  # a warning, not also a print
+    # From the CLI: one line on stderr, not the warning and a print of it
+    (tmp_path / "corrupt" / "checkpoints" / "step-00000008" / "state.pt").write_bytes(b"garbage")
+    assert main(["resume", str(tmp_path / "corrupt"), "--no-progress", "--set", "trainer.max_steps=9"]) == 0
+    err = capfd.readouterr().err
+    assert err.count("step-00000008 is corrupt") == 1, err
+    assert "raytrainer: warning: checkpoint step-00000008 is corrupt" in err
 
 
 def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):

@@ -11,7 +11,6 @@ import signal
 import sys
 import tempfile
 import threading
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -22,7 +21,7 @@ from ..config import Config, dump_config, load_config, resolve_paths
 from ..contract import Resume
 from . import localray
 from .controller import Controller, ControllerSettings, Records
-from ..errors import ConfigError, Stopped
+from ..errors import ConfigError, Stopped, warn
 from ..task import describe
 from .loggers import build_loggers
 from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
@@ -219,8 +218,7 @@ def _latest(config: Config, storage: Storage, before: int | None = None) -> Resu
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-    print(f"raytrainer: warning: {message}", file=sys.stderr)
+    warn(message, stacklevel=3)  # once: the CLI shows it as a plain line
 
 
 @contextlib.contextmanager
@@ -267,12 +265,27 @@ class _UploadLogs(Callback):
         self.storage, self.run_dir, self.name = storage, run_dir, name
 
     def on_checkpoint(self, ctx, path):
-        self.upload()
+        try:
+            self.upload()
+        except OSError as exc:  # the storage failed right after a commit: the next one uploads again
+            _warn(f"uploading the run's logs to {self.storage.uri_of(self.name)} failed ({exc}); "
+                  f"they stay in {self.run_dir} and the next checkpoint uploads them again")
 
     def upload(self) -> None:
         for path in sorted(self.run_dir.iterdir()):
             if path.is_file() and not path.name.endswith(".tmp"):
                 self.storage.write(f"{self.name}/{path.name}", path.read_bytes())
+
+    def final_upload(self) -> None:
+        """At the end, failed runs included: tried again for about a minute; the logs are
+        never lost (the local mirror stays), so a failure here only warns."""
+        from ..checkpoint import with_retries
+
+        try:
+            with_retries(self.upload, "the run's logs", self.storage.uri_of(self.name),
+                         lambda: f"They are kept in {self.run_dir}")
+        except Exception as exc:  # noqa: BLE001 - the run's own outcome stands
+            _warn(str(exc).replace("the run trained to its end, but ", ""))
 
 
 def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
@@ -323,5 +336,5 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
         hub.close()
         events.close()
         if upload:
-            upload.upload()
+            upload.final_upload()
     return Result(run_dir=run_dir, metrics=dict(hub.latest), history=hub.history, events=events.events)

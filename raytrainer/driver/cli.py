@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from ..errors import ConfigError, RaytrainerError, Stopped
+from ..errors import ConfigError, RaytrainerError, Stopped, show_warnings_plainly
 
 
 def _run_options(parser: argparse.ArgumentParser, example: str) -> None:
@@ -56,6 +56,7 @@ def _resume_source(run_dir: str, overrides: list[str]) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    show_warnings_plainly()
     prefix = "raytrainer" if args.command in ("train", "resume") else f"raytrainer {args.command}"
     try:
         commands = {"train": _train, "resume": _train, "bench": _bench, "plot": _plot, "up": _up, "down": _down,

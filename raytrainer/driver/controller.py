@@ -46,9 +46,7 @@ from __future__ import annotations
 import enum
 import math
 import signal
-import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,7 +55,7 @@ from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
 from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, Stopped,
-                      WorkerError)
+                      WorkerError, warn)
 from .metrics import EventLog, MetricsHub
 from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
 
@@ -120,6 +118,8 @@ class Records:
 
 
 class Controller:
+    _kept_step: int | None = None  # the newest committed checkpoint's step, for a failed save's warning
+
     def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
                  resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None):
         self.group = group
@@ -233,6 +233,7 @@ class Controller:
         self.step = self.ctx.step = resume[0] if resume else 0
         self._train_step = max(self._train_step, self.step)
         if resume:
+            self._kept_step = max(resume[0], self._kept_step or 0)
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
         if self.progress is not None:
             self.progress.total_steps = formed.total_steps
@@ -252,8 +253,7 @@ class Controller:
                 return self.group.setup(resume[2] if resume else None), resume
             except CheckpointCorrupt as exc:
                 message = f"{exc}; falling back to an older one"
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                print(f"raytrainer: warning: {message}", file=sys.stderr)
+                warn(message)  # once: the CLI shows it as a plain line, the API as a warning
                 self.events.log("checkpoint_skipped", step=resume[0], checkpoint=resume[1], why=exc.why)
                 resume = self.restore(resume[0])
                 if resume is None and self.state is State.STARTING:  # nothing to resume from after all
@@ -268,7 +268,10 @@ class Controller:
         for event in poll.events:
             self.events.log(**event)
             if event["event"] == "checkpoint_committed":
+                self._kept_step = max(event["step"], self._kept_step or 0)
                 self.callbacks("on_checkpoint", self.ctx, event["path"])
+            elif event["event"] == "checkpoint_failed":
+                _warn_save_failed(event, self._kept_step)
         return poll
 
     def _poll_wait(self) -> float:
@@ -503,8 +506,7 @@ class Controller:
                     self.callbacks("on_checkpoint", self.ctx, event["path"])
         except Exception as exc:  # a worker lost now: the newest checkpoint committed before stands
             message = f"the checkpoint at the stop (step {self.step}) could not be committed: {exc}"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            print(f"raytrainer: warning: {message}", file=sys.stderr)
+            warn(message)
         newest = self.restore()
         name, at = (newest[1], newest[0]) if newest else (None, None)
         self.events.log("stopped", step=self.step, signal=signal.Signals(self.stop_signal).name,
@@ -702,3 +704,11 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, KeyboardInterrupt):
         return {"cause": "interrupted", "error": "KeyboardInterrupt"}
     return {"cause": f"{type(exc).__name__}: {exc}", "error": type(exc).__name__}
+
+
+def _warn_save_failed(event: dict[str, Any], kept: int | None) -> None:
+    """One line per failed save: training goes on, and the user learns what is kept."""
+    warn(f"the checkpoint of step {event['step']} could not be written to {event['path']} ({event['cause']}); "
+         "training goes on, nothing of it is committed, "
+         + (f"the checkpoint of step {kept} stays the newest" if kept is not None else
+            "no checkpoint is committed yet") + "; the next save tries again")

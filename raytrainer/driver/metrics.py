@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from ..errors import warn
 from .tfevents import EventFile
 
 
@@ -264,16 +265,39 @@ class BackgroundSink(Sink):
 
 
 class JsonlWriter(Sink):
-    """Append-only JSON lines, flushed per write so a crash loses nothing written."""
+    """Append-only JSON lines, written through per line so a crash loses nothing written.
+
+    A full disk does not stop the run: what cannot be written yet (from the exact byte
+    the disk took last) is kept in memory and written first once there is room again,
+    with one warning meanwhile."""
 
     def __init__(self, path: Path):
-        self._file = open(path, "a", buffering=1)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._backlog = b""
+        self._warned = False
 
     def write(self, obj: dict[str, Any]) -> None:
-        self._file.write(json.dumps(obj, default=float) + "\n")
+        self._backlog += (json.dumps(obj, default=float) + "\n").encode()
+        self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while self._backlog:
+                self._backlog = self._backlog[os.write(self._fd, self._backlog):]
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                warn(f"cannot write {self.path} ({exc.strerror or exc}); training goes on, its lines are "
+                     "kept in memory until they can be written")
+        else:
+            if self._warned:
+                self._warned = False
+                warn(f"{self.path} is written again, nothing lost")
 
     def close(self) -> None:
-        self._file.close()
+        self._drain()
+        os.close(self._fd)
 
 
 class EventLog(JsonlWriter):

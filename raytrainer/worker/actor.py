@@ -296,9 +296,15 @@ class Worker:
         all; return where (the driver hands that path to its loggers, never the bytes)."""
         from ..checkpoint import Storage
 
+        from ..checkpoint import with_retries
+
         run = self.config.run
         storage = Storage(run.storage)
-        storage.write_atomic(f"{run.name}/model.pt", _dump(weights))
+        data = _dump(weights)
+        saver = self.loop.saver
+        kept = saver.kept if saver.checkpoints is not None else (lambda: "No checkpoint of this run is kept")
+        with_retries(lambda: storage.write_atomic(f"{run.name}/model.pt", data), "model.pt",
+                     storage.path(f"{run.name}/model.pt"), kept)
         return storage.uri_of(f"{run.name}/model.pt")
 
     @contextlib.contextmanager

@@ -178,7 +178,7 @@ class Loop:
         self._train_keys: list[str] | None = None
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
-                                     replicated=self.strategy.replicated, rank=rank)
+                                     replicated=self.strategy.replicated, rank=rank, on_failure=self._save_failed)
         sharded = isinstance(state, (str, Snapshot))
         if (state is not None) and sharded == self.strategy.replicated:
             written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
@@ -201,6 +201,7 @@ class Loop:
                          "failure.snapshot_every_n_steps")
             self.snapshots.bind(rank, world_size)
         self._last_time = time.perf_counter()
+        self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
         self.pause_requested = False  # set by the driver's thread: pause at a common step
         self._pause_agreed = False  # some rank asked, and every rank knows it at this step
         self.paused = False
@@ -254,7 +255,9 @@ class Loop:
             return None
         self.close_inputs()
         if not self.cfg.fast_dev_run:
-            self.save_checkpoint()  # the end of the run (a no-op if this step is saved)
+            # The end of the run (a no-op if this step is saved): tried again if it fails, and
+            # the run fails (StorageError) only if it cannot be made.
+            self.saver.save(self.step, self.state_dict, self.latest_metrics, final=True)
             self.saver.finish()
         self.stop_reason = self.stop_reason or ("fast_dev_run" if self.cfg.fast_dev_run else "completed")
         self.callbacks("on_run_end", self)
@@ -278,8 +281,10 @@ class Loop:
         if closes:
             self.callbacks("on_epoch_end", self)
         every = self.saver.cfg.every_n_steps
-        if every and self.step % every == 0 and not self.cfg.fast_dev_run:
+        due_by_time, self.window.save_agreed = self.window.save_agreed, False  # every rank agreed on this step
+        if (every and self.step % every == 0 or due_by_time) and not self.cfg.fast_dev_run:
             self.save_checkpoint()
+            self._save_asked = False
         if epoch_end:
             self.epoch, self.position = self.epoch + 1, 0
         self._after_pending = False
@@ -309,7 +314,7 @@ class Loop:
                 values = self._stack(out, "train") / divisor
                 total = values if total is None else total + values
                 if sync and carrier is not None:
-                    carrier.send(self._with_bad_ranks(total), self.pause_requested)
+                    carrier.send(self._with_bad_ranks(total), self.pause_requested, self._save_wanted(), self.world_size)
                 # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
                 # the last backward.
                 with self._phase("collective") if sync and self.world_size > 1 else _NO_PHASE:
@@ -427,8 +432,10 @@ class Loop:
     def flush(self, wait: bool = False) -> None:
         """Reduce the buffered steps' metrics over ranks and report them (see window.py)."""
         keys = (self._train_keys or []) + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
+        # Carried steps sent their ask with their gradients (train_step); a window sends it here.
+        ask = self.strategy.carrier is None and self._save_wanted()
         self._pause_agreed |= self.window.flush(keys, self.world_size, pause_requested=self.pause_requested,
-                                                wait=wait)
+                                                wait=wait, save_requested=ask)
 
     # ------------------------------------------------------------------ non-finite steps
 
@@ -553,6 +560,18 @@ class Loop:
         if wait:
             self.saver.finish()
 
+    def _save_wanted(self) -> bool:
+        """Rank 0 asks for a checkpoint when checkpoint.every_n_minutes has passed on its
+        clock; the ask rides the metrics' reduction, so every rank saves at the same step."""
+        if self.rank != 0 or self._save_asked or self.cfg.fast_dev_run or not self.saver.time_due():
+            return False
+        self._save_asked = True  # once: its step's sums carry it to the next flush on every rank
+        return True
+
+    def _save_failed(self, step: int, path: str, cause: str) -> None:
+        self.notify({"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
+                     "kept_step": self.saver.committed_step if self.saver.committed_step >= 0 else None})
+
     def _committed(self, ckpt: Committed, path: str) -> None:
         self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,
                      "bytes": sum(f["size"] for f in ckpt.manifest["files"].values()),
@@ -567,6 +586,7 @@ class Loop:
         `self.step`: gradients, BatchNorm running statistics, metrics not yet reduced."""
         self.train.abandon_step()
         self.window.clear()
+        self._save_asked = False  # the step that carried the ask was abandoned: ask again
         if self.strategy.carrier is not None:
             self.strategy.carrier.clear()
         self.chaos.cancel()

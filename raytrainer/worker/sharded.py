@@ -463,15 +463,25 @@ def _holds_tensor(v: Any) -> bool:
 
 def _prepare_dir(storage: Storage, rel_dir: str, plain: dict[str, Any], group) -> None:
     """Rank 0 empties the directory (a rewrite of the same step after a recovery must
-    not keep a bigger world's shard files) and writes plain.pt; the others wait."""
+    not keep a bigger world's shard files) and writes plain.pt; the others wait. Where
+    rank 0 cannot (a full disk, storage down), every rank raises its OSError: all ranks
+    leave the save together, none waits in DCP's collectives for rank 0."""
+    failed = None
     if _rank(group) == 0:
-        if storage.exists(rel_dir):
-            storage.delete_dir(rel_dir)
-        buffer = io.BytesIO()
-        torch.save(plain, buffer)
-        storage.write(f"{rel_dir}/{PLAIN}", buffer.getvalue())
+        try:
+            if storage.exists(rel_dir):
+                storage.delete_dir(rel_dir)
+            buffer = io.BytesIO()
+            torch.save(plain, buffer)
+            storage.write(f"{rel_dir}/{PLAIN}", buffer.getvalue())
+        except OSError as exc:
+            failed = f"{type(exc).__name__}: {exc}"
     if _world(group) > 1:
-        dist.barrier(group=group)
+        news = [failed]
+        dist.broadcast_object_list(news, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        failed = news[0]
+    if failed is not None:
+        raise OSError(f"writing {storage.path(rel_dir)}/{PLAIN} failed: {failed}")
 
 
 def save_sharded(state: dict[str, Any], storage: Storage, rel_dir: str, *, process_group=None,

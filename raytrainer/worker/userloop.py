@@ -77,7 +77,8 @@ class UserLoop:
         self.stop_reason: str | None = None
         self.held: dict[str, Any] | None = None  # the user's state of report `step`, on CPU
         self.checkpoint: str | None = None  # the checkpoint directory a restart from storage read
-        self.saver = CheckpointSaver(checkpoints, config.checkpoint, self._committed, rank=rank)
+        self.saver = CheckpointSaver(checkpoints, config.checkpoint, self._committed, rank=rank,
+                                     on_failure=self._save_failed)
         self.model: torch.nn.Module | None = None  # what ctx.prepare_model wrapped: the final weights
         self._reported = 0  # the newest step reported (rows), ahead of `step` where no state came
         self._pause_agreed = False
@@ -108,7 +109,7 @@ class UserLoop:
         except Paused:
             self.paused = True
             return None
-        self._save()  # the end of the run, as a Task's (a no-op where this step is saved)
+        self._save(final=True)  # the end of the run, as a Task's (a no-op where this step is saved)
         self.saver.finish()
         self.stop_reason = "completed"
         return self._final_weights(out) if self.rank == 0 else None
@@ -207,13 +208,14 @@ class UserLoop:
 
     # ------------------------------------------------------------------ helpers
 
-    def _save(self, directory: Path | None = None, metrics: dict[str, float] | None = None) -> None:
+    def _save(self, directory: Path | None = None, metrics: dict[str, float] | None = None, *,
+              final: bool = False) -> None:
         """Commit a checkpoint of the state held, with the files of the loop's own checkpoint
         `directory` beside it (rank 0's: a replicated state is the same on every rank)."""
         if self.saver.checkpoints is None or self.held is None and directory is None:
             return
         if directory is None:
-            self.saver.save(self.step, self.state_dict, metrics or {})
+            self.saver.save(self.step, self.state_dict, metrics or {}, final=final)
             return
         self.saver.finish()  # a state-only save under way lands first
         self.saver.saved_step = self._reported
@@ -228,6 +230,10 @@ class UserLoop:
         state = {"loop": {"kind": "loop", "step": self._reported, "epoch": self.epoch, "checkpoint": uri},
                  "user": self.held if self.step == self._reported else None}
         self._committed(checkpoints.write_dir(self._reported, state, directory, metrics or {}))
+
+    def _save_failed(self, step: int, path: str, cause: str) -> None:
+        self.notify({"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
+                     "kept_step": self.saver.committed_step if self.saver.committed_step >= 0 else None})
 
     def _committed(self, ckpt: Committed, path: str | None = None) -> None:
         checkpoints = self.saver.checkpoints

@@ -11,8 +11,10 @@ over ranks in one of two ways:
   driver one window later).
 
 Either way the reduction carries one more column: whether this rank was asked to pause
-(for a resize). What a flush collects is the same on every rank (the same steps, the same
-sums), so all ranks agree to pause at the same step boundary with no extra message.
+(for a resize), and whether it asks for a checkpoint (rank 0, when checkpoint.every_n_minutes
+has passed on its clock), both in one number (encode_flags). What a flush collects is the
+same on every rank (the same steps, the same sums), so all ranks agree to pause, or to save,
+at the same step boundary with no extra message.
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ from .dist import all_reduce_sum
 Report = Callable[[list[dict[str, Any]]], None]
 
 
+def encode_flags(pause: bool, save: bool, world_size: int) -> float:
+    """A rank's requests as one number whose sum over the ranks keeps both: a pause counts
+    1, a save world_size + 1 (more than every rank's pause together)."""
+    return float(bool(pause)) + float(bool(save)) * (world_size + 1)
+
+
+def decode_flags(mean: float, world_size: int) -> tuple[bool, bool]:
+    """(some rank asked to pause, some rank asked to save) from the flags' mean over ranks."""
+    total = round(mean * world_size)
+    return total % (world_size + 1) > 0, total >= world_size + 1
+
+
 class Carrier:
     """A step's metrics on their way through the gradient all-reduce (see strategy.DDP).
 
@@ -37,11 +51,16 @@ class Carrier:
     def __init__(self, device: torch.device):
         self.outgoing: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None
-        # The two flags, made once: no host-to-device copy per step on a GPU.
-        self._flags = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        self.device = device
+        # The flags, each made once: no host-to-device copy per step on a GPU.
+        self._flags: dict[float, torch.Tensor] = {}
 
-    def send(self, values: torch.Tensor, pause_requested: bool) -> None:
-        self.outgoing = torch.cat([values, self._flags[bool(pause_requested)]])
+    def send(self, values: torch.Tensor, pause_requested: bool, save_requested: bool = False,
+             world_size: int = 1) -> None:
+        flag = encode_flags(pause_requested, save_requested, world_size)
+        if flag not in self._flags:
+            self._flags[flag] = torch.full((1,), flag, device=self.device)
+        self.outgoing = torch.cat([values, self._flags[flag]])
         self.reduced = None
 
     def receive(self) -> torch.Tensor:
@@ -63,6 +82,7 @@ class MetricsWindow:
         self._window: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]] = []
         self._pending: list[tuple[Any, torch.Tensor, list]] = []  # windows being all-reduced
         self.latest: dict[str, float] = {}  # the newest reduced values (what keep_best ranks by)
+        self.save_agreed = False  # some rank asked for a checkpoint in what a flush collected
 
     def add(self, info: dict[str, Any], values: torch.Tensor | None, carried: torch.Tensor | None = None) -> None:
         """A step's row: its host-side fields and its metrics on the device. Either `values`
@@ -71,9 +91,11 @@ class MetricsWindow:
         norm of all-reduced gradients), or None."""
         self._window.append((info, values, carried))
 
-    def flush(self, keys: list[str], world_size: int, *, pause_requested: bool, wait: bool = False) -> bool:
+    def flush(self, keys: list[str], world_size: int, *, pause_requested: bool, wait: bool = False,
+              save_requested: bool = False) -> bool:
         """Start reducing the buffered steps, report those reduced since the last flush (all
-        of them with `wait`); return whether some rank asked to pause in what was collected."""
+        of them with `wait`); return whether some rank asked to pause in what was collected
+        (and set `save_agreed` where some rank asked for a checkpoint)."""
         agreed = False
         ready = None
         if self._window:
@@ -82,7 +104,7 @@ class MetricsWindow:
                 ready = window
             else:  # the pause flag as one more column
                 values = torch.nn.functional.pad(torch.stack([v for _, v, _ in window]), (0, 1),
-                                                 value=float(pause_requested))
+                                                 value=encode_flags(pause_requested, save_requested, world_size))
                 self._pending.append((all_reduce_sum(values, async_op=True), values, window))
         # Each reduced window comes to the host in one copy (a sync on a GPU), its means
         # computed on the device first; the pause flags are read from that copy.
@@ -92,11 +114,16 @@ class MetricsWindow:
                 with self._waiting():
                     work.wait()
             means = (values / world_size).tolist()
-            agreed |= means[-1][-1] > 0
+            pause, save = decode_flags(means[-1][-1], world_size)
+            agreed |= pause
+            self.save_agreed |= save
             self._report(keys, window, [m[:-1] for m in means])
         if ready is not None:
             means = (torch.stack([c for _, _, c in ready]) / world_size).tolist()
-            agreed |= any(m[-1] > 0 for m in means)
+            for m in means:
+                pause, save = decode_flags(m[-1], world_size)
+                agreed |= pause
+                self.save_agreed |= save
             same = torch.stack([v for _, v, _ in ready]).tolist() if ready[0][1] is not None else None
             self._report(keys, ready, [m[:-1] + same[i] if same else m[:-1] for i, m in enumerate(means)])
         return agreed
@@ -109,3 +136,4 @@ class MetricsWindow:
     def clear(self) -> None:
         """Drop what a step abandoned half-way buffered (its peers never reduced it)."""
         self._window, self._pending = [], []
+        self.save_agreed = False

@@ -8,7 +8,7 @@ already imported) rebuilds the tensors from the buffer, serialises them (torch.s
 and writes them, and commits with the marker last (Checkpoints.write), at nice 19: on a
 machine whose cores the workers use, it takes what they leave, and never their GIL. A
 background thread of this process turns its answers into the commit event, or an error
-raised on the training thread at the next save or the end of the run (CheckpointSaver).
+reported as a failed save (CheckpointSaver: training goes on; only the final save must succeed).
 
 At most one write is under way: a save waits for the previous one first (the buffer is
 its). The writer dies with its worker, mid-write too (then nothing is committed): a thread
@@ -133,7 +133,7 @@ class ProcessWriter:
     """checkpoint.AsyncWriter's interface (submit, wait), writing in a process of its own."""
 
     def __init__(self, checkpoints: Checkpoints, on_commit: Callable[[Committed], None],
-                 on_error: Callable[[BaseException], None]):
+                 on_error: Callable[[BaseException, int], None]):
         self.checkpoints = checkpoints
         self.on_commit, self.on_error = on_commit, on_error
         self.shared = SharedState()
@@ -141,6 +141,7 @@ class ProcessWriter:
         self._proc: Any = None
         self._idle = threading.Event()
         self._idle.set()
+        self.writing = -1  # the step being written (what an error is about)
 
     def start(self) -> None:
         """Start the writer process now (the fork server too, if it is not up): at set-up,
@@ -156,13 +157,14 @@ class ProcessWriter:
             self._start()
             new = True
         self._idle.clear()
+        self.writing = step
         try:
             if new:
                 self._conn.send(("buffer", self.shared.buffer))
             self._conn.send(("write", step, layout, metrics))
         except (OSError, EOFError) as exc:  # it died just now
             self._idle.set()
-            self.on_error(RuntimeError(f"the checkpoint writer process is gone: {exc}"))
+            self.on_error(RuntimeError(f"the checkpoint writer process is gone: {exc}"), step)
 
     def wait(self) -> None:
         self._idle.wait()
@@ -207,7 +209,7 @@ def _answers(writer: Callable[[], ProcessWriter | None], conn: Any, idle: thread
             answer = conn.recv()
         except (EOFError, OSError):
             if not idle.is_set() and (w := writer()) is not None:  # it died while writing
-                w.on_error(RuntimeError("the checkpoint writer process died while writing"))
+                w.on_error(RuntimeError("the checkpoint writer process died while writing"), w.writing)
             idle.set()
             return
         try:
@@ -215,7 +217,7 @@ def _answers(writer: Callable[[], ProcessWriter | None], conn: Any, idle: thread
                 if answer[0] == "committed":
                     w.on_commit(answer[1])
                 else:
-                    w.on_error(RuntimeError(answer[1]))
+                    w.on_error(RuntimeError(answer[1]), w.writing)
                 del w
         finally:
             idle.set()
