@@ -60,6 +60,7 @@ def assert_nothing_left(tag, timeout_s=20.0):
 
 
 @pytest.mark.slow
+@pytest.mark.hangs
 def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     out = tmp_path / "bench.json"
     smoke = bench.BenchSpec(**bench.SMOKE)

@@ -19,6 +19,7 @@ from raytrainer.errors import PlacementError
 
 from .conftest import assert_no_leaks, cluster_with
 from .faults import Run, kill
+from .waits import join, patience, wait_until
 
 NUM_SAMPLES, BATCH, STEPS, SEED = 200, 16, 300, 0  # 16 does not split over 3: uneven shards
 
@@ -67,11 +68,7 @@ def in_background(cfg):
 
 
 def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
+    return wait_until(predicate, what, timeout_s, every_s=0.2)
 
 
 def read_events(run_dir):
@@ -145,7 +142,7 @@ def test_grows_when_a_node_joins_shrinks_at_once_when_it_goes_and_grows_back(clu
     back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back")[0]
     assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
     slow.unlink()  # let it finish
-    thread.join(120)
+    join(thread, 120)
     assert "error" not in out, out.get("error")
 
     events = read_events(run_dir)
@@ -237,7 +234,7 @@ def test_per_worker_policy_grows_the_batch_and_the_lr_and_keeps_the_data_positio
         wait_for(lambda: worlds(run_dir).count(3) >= 10, 60, "steps at 3 workers")
     finally:
         slow.unlink()
-    thread.join(120)
+    join(thread, 120)
     cluster.remove_node(node)  # as the module's other tests expect
     assert "error" not in out, out.get("error")
     assert [(e["old_world_size"], e["new_world_size"]) for e in resized(run_dir)] == [(2, 3)]
@@ -269,7 +266,7 @@ def test_below_min_workers_fails_after_a_bounded_wait(cluster, tmp_path):
         t0 = time.monotonic()
         # Both 1-CPU nodes hold a worker: one goes, and there is no room for a replacement.
         cluster.remove_node(next(iter(cluster.worker_nodes)))
-        thread.join(60)
+        join(thread, 60)
         waited = time.monotonic() - t0
     finally:
         slow.unlink()
@@ -277,6 +274,6 @@ def test_below_min_workers_fails_after_a_bounded_wait(cluster, tmp_path):
     assert isinstance(out.get("error"), PlacementError), out
     message = str(out["error"])
     assert "fewer than scaling.min_workers=2" in message and "placement_timeout_s=3" in message
-    assert 3 <= waited < 30
+    assert 3 <= waited < patience(30)
     assert read_events(tmp_path / "short")[-1]["event"] == "failed"
     assert_no_leaks()

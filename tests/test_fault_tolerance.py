@@ -176,6 +176,7 @@ def test_a_warm_spare_imports_torch_on_a_thread_of_the_lowest_priority_and_train
     assert "19" in seen and (main_thread, process) == (str(os.nice(0)), str(os.nice(0))), out.stdout
 
 
+@pytest.mark.hangs
 def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, tmp_path):
     chaos = [{"action": "hang", "step": 4, "rank": 1}, {"action": "raise", "step": 9, "rank": 0},
              {"action": "delay", "step": 14, "rank": 1, "seconds": 0.5}]

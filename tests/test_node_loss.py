@@ -31,6 +31,7 @@ def cluster(shared_cluster):
     return cluster_with(shared_cluster, 0)  # a head with no CPUs for workers, nodes added by the tests
 
 
+@pytest.mark.hangs
 def test_a_node_with_two_workers_lost_is_one_recovery(cluster, tmp_path):
     two = cluster.add_node(num_cpus=2)
     one = cluster.add_node(num_cpus=1)

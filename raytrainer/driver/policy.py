@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from ..contract import Failure, Holdings, Status
 from ..errors import RaytrainerError, WorkerError
 
-__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing", "blame",
-           "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
-           "leave_draining_nodes", "poll_wait", "replacing", "root_causes"]
+__all__ = ["BUSY_SHARE", "Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing",
+           "blame", "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
+           "leave_draining_nodes", "poll_wait", "progressed", "replacing", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,27 @@ class FailurePolicy:
             error = next((f.error for f in causes if isinstance(f.error, WorkerError)), None)
             return Decision(False, reason, error or FailuresExceeded(reason))
         return Decision(True, "; ".join(f"rank {f.rank} {f.kind}" for f in causes))
+
+
+# A worker whose working thread ran, or waited for a core, for at least this share of the
+# time between two answers is working: on a loaded machine a thread that wants to run waits
+# in the run queue, which counts; one stuck in a read, a hung kernel or a sleep counts ~0.
+BUSY_SHARE = 0.5
+
+
+def progressed(before: Status | None, now: Status, seconds: float) -> bool:
+    """Whether a worker made progress between two answers `seconds` apart: it moved on (a
+    step, a batch, a phase; its first answer counts), or it kept working on its own clock,
+    its working thread running or waiting for a core for BUSY_SHARE of the time (a slow
+    worker on a loaded machine, a long compile or load, a first kernel), however little it
+    got done. Only a worker that neither moves nor works (it waits on something else: a
+    stuck read, a hung kernel, a peer) stalls; a worker that answers nothing stalls too,
+    and has no clock to ask (blame)."""
+    if before is None or (before.step, before.progress, before.phase) != (now.step, now.progress, now.phase):
+        return True
+    if before.busy_s is None or now.busy_s is None:
+        return False
+    return now.busy_s - before.busy_s >= BUSY_SHARE * max(seconds, 0.0)
 
 
 def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[int]:
