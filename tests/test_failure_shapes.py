@@ -15,7 +15,7 @@ import torch
 
 from .conftest import assert_no_leaks
 from .faults import Run, freeze, kill
-from .waits import join, wait_until
+from .waits import join, patience, wait_until
 
 STEPS = 30
 
@@ -26,7 +26,9 @@ def config(tmp_path, name, chaos=(), recovery="exact", **args):
         # replaced rank draws the numbers the lost one would have is test_fault_tolerance's).
         "task": {"target": "tests.tasks:RegressionTask", "args": {"sleep_s": 0.01, **args}},
         "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
-        "scaling": {"num_workers": 3},
+        # A replacement waited for must be up within placement_timeout_s: its process start
+        # (importing torch) took over 60 s at a load of 44 on the 2-core VM.
+        "scaling": {"num_workers": 3, "placement_timeout_s": round(patience(60))},
         # collective_timeout_s bounds a rendezvous left waiting for a peer lost meanwhile
         # (once, in CI, a re-form of the double kill waited the default 600 s: not yet
         # explained; this keeps such a wait from holding the module's CPUs for minutes).
