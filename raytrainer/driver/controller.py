@@ -592,7 +592,8 @@ class Controller:
                    if r not in exclude and now - self._seen.get(r, (None, self._reset_at))[1] > timeout}
         if not stalled:
             return False
-        culprits = blame(stalled, recovering=self.state is State.RECOVERING)
+        moving = [r for r in range(len(statuses)) if r not in exclude and r not in stalled]
+        culprits = blame(stalled, recovering=self.state is State.RECOVERING, others_progress=bool(moving))
         if not culprits:
             return False
         for rank in range(len(statuses)):

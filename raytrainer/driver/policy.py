@@ -82,7 +82,7 @@ def progressed(before: Status | None, now: Status, seconds: float) -> bool:
     return now.busy_s - before.busy_s >= BUSY_SHARE * max(seconds, 0.0)
 
 
-def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[int]:
+def blame(stalled: dict[int, Status | None], recovering: bool = False, others_progress: bool = False) -> list[int]:
     """Of the workers that made no progress for too long (rank -> its status, None where it
     did not answer), the ones to kill as hung.
 
@@ -92,13 +92,14 @@ def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[i
     the ones not in a collective, else (all wait in collectives: a deadlock, or a hang in
     the communication library) those behind the others, else all of them. While
     `recovering` from another failure, a worker in a collective waits for the failed one
-    to be gone, and is never to blame."""
+    to be gone, and is never to blame; nor while `others_progress` (a worker not stalled,
+    however slowly it goes, is the one it waits for)."""
     silent = [r for r, s in stalled.items() if s is None]
     if silent:
         return sorted(silent)
     answering = {r: s for r, s in stalled.items() if s is not None}
     working = [r for r, s in answering.items() if s.phase != "collective"]
-    if working or recovering:
+    if working or recovering or others_progress:
         return sorted(working)
     least = min((s.progress for s in answering.values()), default=0)
     return sorted(r for r, s in answering.items() if s.progress == least)
