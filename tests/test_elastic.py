@@ -19,7 +19,7 @@ from raytrainer.errors import PlacementError
 
 from .conftest import assert_no_leaks, cluster_with
 from .faults import Run, kill
-from .waits import join, patience, wait_until
+from .waits import join, patience, slowness, wait_until
 
 NUM_SAMPLES, BATCH, STEPS, SEED = 200, 16, 300, 0  # 16 does not split over 3: uneven shards
 
@@ -59,7 +59,10 @@ def growable(tmp_path, name, **trainer):
     slow.touch()
     record = tmp_path / "record" / "samples"
     record.parent.mkdir()
-    cfg = config(tmp_path, name, {"max_workers": 3}, record=str(record), sleep_s=0.05,
+    # Slow enough that a node added meanwhile is up before the run ends: on a loaded machine
+    # a raylet and a worker take a minute or two to start, and at 0.05 s a micro-batch the
+    # 300 steps were over first (the run finished at 2 workers, never grown).
+    cfg = config(tmp_path, name, {"max_workers": 3}, record=str(record), sleep_s=round(0.05 * slowness(), 3),
                  slow_while=str(slow))
     cfg["trainer"].update(trainer)
     return cfg, slow, record
