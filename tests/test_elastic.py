@@ -83,8 +83,11 @@ def in_background(cfg):
     return thread, out
 
 
-def wait_for(predicate, timeout_s, what):
-    return wait_until(predicate, what, timeout_s, every_s=0.2)
+def wait_for(predicate, timeout_s, what, thread=None):
+    """Until predicate() is true (its value), `timeout_s` seconds of a quiet machine at most;
+    `thread`: the run's, whose end fails the wait at once (a limit stretched on a slow day
+    is minutes)."""
+    return wait_until(predicate, what, timeout_s, every_s=0.2, alive=thread.is_alive if thread else None)
 
 
 def read_events(run_dir):
@@ -130,14 +133,14 @@ def test_grows_when_a_node_joins_shrinks_at_once_when_it_goes_and_grows_back(clu
     cfg, slow, record = growable(tmp_path, "elastic")
     thread, out = in_background(cfg)
     run_dir = tmp_path / "elastic"
-    wait_for(lambda: worlds(run_dir), 60, "the first steps")
+    wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
 
     node = cluster.add_node(num_cpus=1)  # room for a third worker
-    grow = wait_for(lambda: resized(run_dir), 60, "the group to grow")[0]
+    grow = wait_for(lambda: resized(run_dir), 60, "the group to grow", thread)[0]
     assert (grow["old_world_size"], grow["new_world_size"], grow["added"]) == (2, 3, 1)
-    wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers")
+    wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers", thread)
     cluster.remove_node(node)  # its worker goes with it, and no replacement can be placed
-    shrink = wait_for(lambda: resized(run_dir)[1:], 60, "the group to shrink")[0]
+    shrink = wait_for(lambda: resized(run_dir)[1:], 60, "the group to shrink", thread)[0]
     # Not waited for (failure.recovery fast): the survivors went on at once, from memory.
     assert (shrink["old_world_size"], shrink["new_world_size"], shrink["dropped"]) == (3, 2, [2])
     assert shrink["cause"].startswith("failure")
@@ -147,15 +150,15 @@ def test_grows_when_a_node_joins_shrinks_at_once_when_it_goes_and_grows_back(clu
     # core, and the survivors, at Ray's nice 15, ran twentyfold slower).
     wait_for(lambda: not any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()), 60,
              "Ray to hold the node dead")
-    wait_for(lambda: not pgs_in("RESCHEDULING"), 30, "no placement group rescheduling")
+    wait_for(lambda: not pgs_in("RESCHEDULING"), 30, "no placement group rescheduling", thread)
     pgs, actors = len(pgs_in()), len(state.actors())
     steps = len(worlds(run_dir))
-    wait_for(lambda: len(worlds(run_dir)) > steps + 20, 60, "more steps at 2 workers")  # a few grow checks
+    wait_for(lambda: len(worlds(run_dir)) > steps + 20, 60, "more steps at 2 workers", thread)  # a few grow checks
     assert not pgs_in("RESCHEDULING") and len(pgs_in()) == pgs and len(state.actors()) == actors
     assert len(pgs_in("PENDING")) == 1  # the lost slot's new group, waiting for room
 
     cluster.add_node(num_cpus=1)  # room again: the replacement starts there and joins
-    back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back")[0]
+    back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back", thread)[0]
     assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
     slow.unlink()  # let it finish
     join(thread, 120)
@@ -245,9 +248,9 @@ def test_per_worker_policy_grows_the_batch_and_the_lr_and_keeps_the_data_positio
     thread, out = in_background(cfg)
     run_dir = tmp_path / "per_worker"
     try:
-        wait_for(lambda: worlds(run_dir), 60, "the first steps")
+        wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
         node = cluster.add_node(num_cpus=1)
-        wait_for(lambda: worlds(run_dir).count(3) >= 10, 60, "steps at 3 workers")
+        wait_for(lambda: worlds(run_dir).count(3) >= 10, 60, "steps at 3 workers", thread)
     finally:
         slow.unlink()
     join(thread, 120)
