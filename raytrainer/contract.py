@@ -52,6 +52,11 @@ class Status:
     """Where its call forming a group is: before the group's rendezvous (building the task,
     loading the state), in it (waiting for its peers to arrive), or past it; None: no
     such call running."""
+    busy_s: float | None = None
+    """Seconds its working thread (the one that forms the group and trains) has run or
+    waited for a core to run (worker/busy.py): it moves while the worker works, however
+    slowly a loaded machine lets it, and stands still while it waits on anything else (a
+    stuck read, a hung kernel, a peer); None where it cannot be read."""
 
     @property
     def position(self) -> tuple[int, bool]:

@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from .ray_procs import SESSION_TAG
+from .waits import Deadline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Workers import tasks by path (tests.tasks:..., examples....): run from the repo root.
@@ -141,7 +142,7 @@ def assert_no_leaks(timeout_s=10.0):
     from ray._private import state
     from ray.util import placement_group_table
 
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline(timeout_s)
     while True:
         # Ray Data starts cluster-wide service actors (its stats and autoscaling actors),
         # detached, once per cluster; raytrainer never makes a detached actor.
@@ -150,7 +151,7 @@ def assert_no_leaks(timeout_s=10.0):
         pgs = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
         if not alive and not pgs:
             return
-        assert time.monotonic() < deadline, f"left behind: actors {alive}, placement groups {pgs}"
+        assert not deadline.passed(), f"left behind: actors {alive}, placement groups {pgs}"
         time.sleep(0.2)
 
 
@@ -169,7 +170,54 @@ def loader_processes() -> list[str]:
 def assert_no_loader_processes(timeout_s=10.0):
     import time
 
-    deadline = time.monotonic() + timeout_s
-    while (left := loader_processes()) and time.monotonic() < deadline:
+    deadline = Deadline(timeout_s)
+    while (left := loader_processes()) and not deadline.passed():
         time.sleep(0.2)
     assert not left, f"loader processes left running: {left}"
+
+
+# ---------------------------------------------------------------------------- no healthy worker hung
+#
+# A worker killed as hung that was only slow is the product's fault, not the machine's
+# (tests/waits.py, docs/slow-day.md): every run a test makes is checked for `hung` failures
+# in its events.jsonl, and a test whose workers are frozen or stalled on purpose says so
+# with @pytest.mark.hangs.
+
+_events_checked: dict[str, int] = {}  # events.jsonl -> lines already checked
+_events_scanned_at = [0.0]
+
+
+def unexpected_hangs(root) -> list[str]:
+    """The `hung` worker failures written under `root` since the last call."""
+    import json
+    import time
+    from pathlib import Path
+
+    since, _events_scanned_at[0] = _events_scanned_at[0], time.time()
+    found = []
+    for path in Path(root).rglob("events.jsonl"):
+        try:
+            if path.stat().st_mtime < since - 2.0:
+                continue
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines[_events_checked.get(str(path), 0):]:
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line being written: read again next time
+                break
+            _events_checked[str(path)] = _events_checked.get(str(path), 0) + 1
+            if event.get("event") == "worker_failed" and event.get("kind") == "hung":
+                found.append(f"{path.parent.name}: rank {event.get('rank')} at step {event.get('step')}: "
+                             f"{event.get('cause', '')[:300]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_healthy_worker_hung(request, tmp_path_factory):
+    yield
+    hung = unexpected_hangs(tmp_path_factory.getbasetemp())
+    if hung and request.node.get_closest_marker("hangs") is None:
+        pytest.fail("a worker was taken for hung in a test that hangs none (mark it @pytest.mark.hangs if "
+                    "it freezes or stalls one on purpose):\n" + "\n".join(hung), pytrace=False)

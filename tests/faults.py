@@ -7,10 +7,11 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import raytrainer
+
+from .waits import join, wait_until
 
 
 class Run:
@@ -29,8 +30,9 @@ class Run:
             self._error = exc
 
     def result(self, timeout: float = 300.0):
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), f"the run did not end within {timeout:g} s"
+        """The run's result once it ended, within `timeout` seconds of a quiet machine (waits.py)."""
+        join(self._thread, timeout)
+        assert not self._thread.is_alive(), f"the run did not end within {timeout:g} s (of a quiet machine)"
         if self._error is not None:
             raise self._error
         return self._result
@@ -40,24 +42,15 @@ class Run:
 
     def wait_for_step(self, step: int, timeout: float = 120.0) -> None:
         """Until a training row at or after `step` is in metrics.jsonl."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(r["step"] >= step for r in _read(self.run_dir / "metrics.jsonl") if "loss" in r):
-                return
-            assert self._thread.is_alive(), "the run ended before the step"
-            time.sleep(0.05)
-        raise AssertionError(f"step {step} not reached within {timeout:g} s")
+        wait_until(lambda: any(r["step"] >= step for r in _read(self.run_dir / "metrics.jsonl") if "loss" in r),
+                   f"step {step}", timeout, alive=self._thread.is_alive)
 
     def rows(self) -> list[dict]:
         return _read(self.run_dir / "metrics.jsonl")
 
     def wait_for(self, ready, what: str, timeout: float = 120.0) -> None:
         """Until `ready()` is true."""
-        deadline = time.monotonic() + timeout
-        while not ready():
-            assert time.monotonic() < deadline, what
-            assert self._thread.is_alive(), f"the run ended first: {what}"
-            time.sleep(0.1)
+        wait_until(ready, what, timeout, every_s=0.1, alive=self._thread.is_alive)
 
     def pids(self) -> list[int]:
         """The workers' process ids by rank, as of the newest group_formed, recovered or

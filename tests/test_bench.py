@@ -25,6 +25,7 @@ from raytrainer.errors import ConfigError
 from raytrainer.driver.plot import plot_runs
 
 from .test_plot import expected_shape, read_png
+from .waits import Deadline
 
 
 @pytest.fixture
@@ -53,13 +54,14 @@ def tagged_processes(tag):
 
 
 def assert_nothing_left(tag, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+    deadline = Deadline(timeout_s)
+    while (left := tagged_processes(tag)) and not deadline.passed():
         time.sleep(0.5)
     assert not left, f"left running: {left}"
 
 
 @pytest.mark.slow
+@pytest.mark.hangs
 def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     out = tmp_path / "bench.json"
     smoke = bench.BenchSpec(**bench.SMOKE)

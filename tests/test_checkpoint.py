@@ -15,6 +15,7 @@ from raytrainer.checkpoint import Checkpoints, Storage
 from raytrainer.config import CheckpointConfig, KeepBestConfig
 
 from .conftest import ROOT, assert_no_leaks
+from .waits import Deadline
 
 
 def store(tmp_path, **cfg):
@@ -113,8 +114,8 @@ def test_a_failed_save_is_reported_and_skipped_and_only_a_failed_final_save_rais
     pid = writer._writer._proc.pid
     del writer
     gc.collect()
-    deadline = time.monotonic() + 30
-    while any(p == pid for p, _, _ in live_processes()) and time.monotonic() < deadline:
+    deadline = Deadline(30)
+    while any(p == pid for p, _, _ in live_processes()) and not deadline.passed():
         time.sleep(0.1)
     assert all(p != pid for p, _, _ in live_processes())
 
@@ -143,15 +144,15 @@ def test_a_writer_dies_with_its_worker_killed_mid_write(tmp_path):
     worker = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker)], cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": ROOT})
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline and worker.poll() is None:
+        deadline = Deadline(120)
+        while not marker.exists() and not deadline.passed() and worker.poll() is None:
             time.sleep(0.1)
         writer = int(marker.read_text())  # it is writing now
     finally:
         worker.kill()
         worker.wait()
-    deadline = time.monotonic() + 30
-    while any(pid == writer for pid, _, _ in live_processes()) and time.monotonic() < deadline:
+    deadline = Deadline(30)
+    while any(pid == writer for pid, _, _ in live_processes()) and not deadline.passed():
         time.sleep(0.1)
     assert all(pid != writer for pid, _, _ in live_processes()), "the writer outlived its worker"
     assert not list(tmp_path.glob("run/checkpoints/*/COMMITTED"))
@@ -331,8 +332,8 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     driver = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", str(path), "--no-progress"],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     events = tmp_path / "killed" / "events.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    deadline = Deadline(120)
+    while not deadline.passed():
         lines = events.read_text().splitlines() if events.exists() else []
         if sum('"checkpoint_committed"' in line for line in lines) >= 2:
             break
@@ -347,8 +348,8 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     # Its workers go with its Ray (Ray's fate-sharing), but not at once on a loaded machine:
     # one still training would go on committing checkpoints and pruning older ones under
     # the resume's feet. A user resumes a dead run; wait until it is one, and none is left.
-    deadline = time.monotonic() + 60
-    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+    deadline = Deadline(60)
+    while (alive := [pid for pid in pids if _alive(pid)]) and not deadline.passed():
         time.sleep(0.2)
     assert alive == [], f"the killed driver's workers {alive} outlived it by 60 s"
     assert not (tmp_path / "killed" / "model.pt").exists()  # it really died mid-run

@@ -576,3 +576,50 @@ def test_a_stop_pauses_the_workers_once_commits_a_checkpoint_there_and_raises_st
     log = read(tmp_path / "events.jsonl")
     assert [e["event"] for e in log][-2:] == ["checkpoint_committed", "stopped"]
     assert log[-1]["signal"] == "SIGINT" and log[-1]["checkpoint"] == "step-00000003"
+
+
+class SlowGroup(FakeGroup):
+    """Rank 0 works for `seconds` of a fake clock without finishing a batch (a compile, a
+    long load, a core it gets a sliver of), its working thread busy all along; rank 1 waits
+    for it in a collective. One poll per fake second, then the run ends."""
+
+    def __init__(self, clock, seconds):
+        super().__init__([Poll() for _ in range(seconds)] + [Poll(rows(1), done=True, result=WEIGHTS)])
+        self.clock = clock
+
+    def poll(self, timeout):
+        self.clock.now += 1.0
+        return super().poll(timeout)
+
+    def status(self, timeout=1.0):
+        from raytrainer.contract import Status
+
+        return [Status(0, 5, "user", busy_s=self.clock.now), Status(0, 5, "collective", busy_s=0.0)]
+
+    def kill(self, rank):
+        self.calls.append(("kill", rank))
+
+
+def test_a_slow_worker_is_not_hung_however_long_it_takes(tmp_path, monkeypatch):
+    import raytrainer.driver.controller as controller_module
+
+    class Clock:
+        now = 1000.0
+
+        def monotonic(self):
+            return self.now
+
+        def time(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(controller_module, "time", clock)
+    group = SlowGroup(clock, seconds=20)  # step_timeout_s 3, 20 s without a batch done
+    hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
+    events = EventLog(tmp_path / "events.jsonl")
+    settings = ControllerSettings(min_workers=2, poll_interval_s=0,
+                                  failure=FailureConfig(max_failures=0, step_timeout_s=3))
+    assert Controller(group, settings, Records(hub=hub, events=events)).run() == WEIGHTS
+    events.close()
+    assert not [c for c in group.calls if c[0] == "kill"]
+    assert "worker_failed" not in [e["event"] for e in read(tmp_path / "events.jsonl")]

@@ -176,6 +176,7 @@ def test_a_warm_spare_imports_torch_on_a_thread_of_the_lowest_priority_and_train
     assert "19" in seen and (main_thread, process) == (str(os.nice(0)), str(os.nice(0))), out.stdout
 
 
+@pytest.mark.hangs
 def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, tmp_path):
     chaos = [{"action": "hang", "step": 4, "rank": 1}, {"action": "raise", "step": 9, "rank": 0},
              {"action": "delay", "step": 14, "rank": 1, "seconds": 0.5}]
@@ -268,6 +269,9 @@ def test_blame_the_silent_then_those_in_their_own_code_never_those_waiting_in_a_
     assert blame({0: waiting, 2: waiting}) == [0, 2]  # nothing tells them apart
     assert blame({0: waiting, 2: Status(5, 41, "collective")}, recovering=True) == []  # they wait for the failed
     assert blame({0: waiting, 1: None}, recovering=True) == [1]
+    # A peer not stalled (slow, working on its own clock) is the one they wait for.
+    assert blame({0: waiting, 2: Status(5, 41, "collective")}, others_progress=True) == []
+    assert blame({0: waiting, 1: working}, others_progress=True) == [1]
 
 
 def test_the_state_comes_from_the_survivor_furthest_ahead():

@@ -11,6 +11,7 @@ import pytest
 
 from .conftest import ROOT
 from .ray_procs import free_port, short_temp_dir, token_env, wait_gone
+from .waits import Deadline
 
 pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
 
@@ -38,11 +39,11 @@ def head():
         # registered yet ("No available agent to submit job", Ray 2.60). On a busy machine
         # the agent comes up later than that: the two tests that submit jobs failed in full
         # runs on a fresh VM, the one that does not passed.
-        deadline = time.monotonic() + 120
+        deadline = Deadline(120)
         while subprocess.run(["ray", "job", "submit", "--", "true"], env=env, cwd=temp_dir,
                              capture_output=True).returncode:
             assert proc.poll() is None, f"ray start exited {proc.returncode}; logs in {temp_dir}"
-            assert time.monotonic() < deadline, f"the job server did not run a job; logs in {temp_dir}"
+            assert not deadline.passed(), f"the job server did not run a job; logs in {temp_dir}"
             time.sleep(1)
         yield env
     finally:

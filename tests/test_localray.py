@@ -18,6 +18,7 @@ from raytrainer.driver import localray
 
 from .ray_procs import free_port, processes_under, short_temp_dir, wait_gone
 from .tasks import RegressionTask
+from .waits import Deadline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,8 +92,8 @@ def test_the_kept_ray_stops_by_itself_once_idle_and_a_run_that_finds_it_in_use_s
         # Idle (no run holds it) for its idle time: it stops, and every process of its Ray.
         localray.up(Path(folder), minutes=0.05)
         assert processes_under(folder)
-        deadline = time.monotonic() + 120
-        while (Path(folder) / "keeper.json").exists() and time.monotonic() < deadline:
+        deadline = Deadline(120)
+        while (Path(folder) / "keeper.json").exists() and not deadline.passed():
             time.sleep(0.5)
         assert not (Path(folder) / "keeper.json").exists()
     finally:

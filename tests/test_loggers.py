@@ -21,6 +21,7 @@ import raytrainer
 from raytrainer.errors import ConfigError
 
 from .conftest import assert_no_leaks
+from .waits import Deadline
 
 
 @contextlib.contextmanager
@@ -40,10 +41,10 @@ def mlflow_server(root: Path):
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner processes
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180  # imports and migrations: ~12 s on a quiet 2-core machine
+        deadline = Deadline(180)  # imports and migrations: ~12 s on a quiet 2-core machine
         while True:
             assert proc.poll() is None, "mlflow server exited:\n" + (root / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server not up:\n" + (root / "server.log").read_text()[-3000:]
+            assert not deadline.passed(), "mlflow server not up:\n" + (root / "server.log").read_text()[-3000:]
             try:
                 with urllib.request.urlopen(uri + "/health", timeout=2):
                     break

@@ -22,6 +22,7 @@ from raytrainer.task import describe
 
 from .conftest import ROOT, assert_no_leaks
 from .faults import Run, kill
+from .waits import Deadline
 
 TASK_SOURCE = '''
 import torch
@@ -200,9 +201,9 @@ def test_your_loop_survives_a_sigkill_with_its_state_from_a_survivor(undisturbed
     time.sleep(rng.uniform(0, 0.05))  # anywhere in a step: the forward, the backward, a report
     victim = rng.randrange(2)
     kill(run.pids()[victim])
-    deadline = time.monotonic() + 120
+    deadline = Deadline(120)
     while not any(e["event"] == "recovered" for e in run.events()):
-        assert time.monotonic() < deadline, "no recovery"
+        assert not deadline.passed(), "no recovery"
         time.sleep(0.1)
     marker.unlink()
     result = run.result()

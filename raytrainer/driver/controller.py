@@ -57,7 +57,8 @@ from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resu
 from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, Stopped,
                       WorkerError, warn)
 from .metrics import EventLog, MetricsHub
-from .policy import FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
+from .policy import (FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, progressed, replacing,
+                     root_causes)
 
 
 class State(enum.Enum):
@@ -157,6 +158,7 @@ class Controller:
         # redo steps after a recovery (replayed from a snapshot or a checkpoint) are dropped.
         self._train_step, self._val_step = 0, -1
         self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (its progress, when it last moved)
+        self._answered: dict[int, tuple[Any, float]] = {}  # rank -> (its last status, when)
         self._status_at = self._reset_at = self._blocked_at = self._silent_at = 0.0
         self._hung_now: list[Failure] = []
         self._gave_up: str | None = None
@@ -609,9 +611,10 @@ class Controller:
 
     def _hung(self, exclude: set[int] = frozenset()) -> bool:
         """Check, about once a second, for workers that made no progress within
-        failure.step_timeout_s; kill those to blame (policy.blame: not the ones waiting for
-        them in a collective), with their stacks and collectives dumped where they answer,
-        and keep them in `_hung_now`."""
+        failure.step_timeout_s, on their own clock (policy.progressed: a worker that runs, or
+        waits for a core on a loaded machine, is working, however slowly); kill those to
+        blame (policy.blame: not the ones waiting for them in a collective), with their
+        stacks and collectives dumped where they answer, and keep them in `_hung_now`."""
         self._hung_now: list[Failure] = []
         timeout = self.failure.step_timeout_s
         now = time.monotonic()
@@ -620,14 +623,18 @@ class Controller:
         self._status_at = now
         statuses = self.group.status()
         for rank, status in enumerate(statuses):
-            key = (status.step, status.progress, status.phase) if status else None
-            if status is not None and (rank not in self._seen or self._seen[rank][0] != key):
-                self._seen[rank] = (key, now)
+            if status is None:
+                continue
+            last, at = self._answered.get(rank, (None, now))
+            if rank not in self._seen or progressed(last, status, now - at):
+                self._seen[rank] = ((status.step, status.progress, status.phase), now)
+            self._answered[rank] = (status, now)
         stalled = {r: statuses[r] for r in range(len(statuses))
                    if r not in exclude and now - self._seen.get(r, (None, self._reset_at))[1] > timeout}
         if not stalled:
             return False
-        culprits = blame(stalled, recovering=self.state is State.RECOVERING)
+        moving = [r for r in range(len(statuses)) if r not in exclude and r not in stalled]
+        culprits = blame(stalled, recovering=self.state is State.RECOVERING, others_progress=bool(moving))
         if not culprits:
             return False
         for rank in range(len(statuses)):
@@ -665,7 +672,7 @@ class Controller:
         return f"stacks in {path}" + (" (its collectives beside them)" if record else "")
 
     def _reset_progress(self) -> None:
-        self._seen = {}
+        self._seen, self._answered = {}, {}
         self._status_at = self._reset_at = time.monotonic()
 
     def _record(self, rows: list[dict[str, Any]]) -> None:

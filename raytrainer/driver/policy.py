@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from ..contract import Failure, Holdings, Status
 from ..errors import RaytrainerError, WorkerError
 
-__all__ = ["Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing", "blame",
-           "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
-           "leave_draining_nodes", "poll_wait", "replacing", "root_causes"]
+__all__ = ["BUSY_SHARE", "Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing",
+           "blame", "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
+           "leave_draining_nodes", "poll_wait", "progressed", "replacing", "root_causes"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,28 @@ class FailurePolicy:
         return Decision(True, "; ".join(f"rank {f.rank} {f.kind}" for f in causes))
 
 
-def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[int]:
+# A worker whose working thread ran, or waited for a core, for at least this share of the
+# time between two answers is working: on a loaded machine a thread that wants to run waits
+# in the run queue, which counts; one stuck in a read, a hung kernel or a sleep counts ~0.
+BUSY_SHARE = 0.5
+
+
+def progressed(before: Status | None, now: Status, seconds: float) -> bool:
+    """Whether a worker made progress between two answers `seconds` apart: it moved on (a
+    step, a batch, a phase; its first answer counts), or it kept working on its own clock,
+    its working thread running or waiting for a core for BUSY_SHARE of the time (a slow
+    worker on a loaded machine, a long compile or load, a first kernel), however little it
+    got done. Only a worker that neither moves nor works (it waits on something else: a
+    stuck read, a hung kernel, a peer) stalls; a worker that answers nothing stalls too,
+    and has no clock to ask (blame)."""
+    if before is None or (before.step, before.progress, before.phase) != (now.step, now.progress, now.phase):
+        return True
+    if before.busy_s is None or now.busy_s is None:
+        return False
+    return now.busy_s - before.busy_s >= BUSY_SHARE * max(seconds, 0.0)
+
+
+def blame(stalled: dict[int, Status | None], recovering: bool = False, others_progress: bool = False) -> list[int]:
     """Of the workers that made no progress for too long (rank -> its status, None where it
     did not answer), the ones to kill as hung.
 
@@ -71,13 +92,14 @@ def blame(stalled: dict[int, Status | None], recovering: bool = False) -> list[i
     the ones not in a collective, else (all wait in collectives: a deadlock, or a hang in
     the communication library) those behind the others, else all of them. While
     `recovering` from another failure, a worker in a collective waits for the failed one
-    to be gone, and is never to blame."""
+    to be gone, and is never to blame; nor while `others_progress` (a worker not stalled,
+    however slowly it goes, is the one it waits for)."""
     silent = [r for r, s in stalled.items() if s is None]
     if silent:
         return sorted(silent)
     answering = {r: s for r, s in stalled.items() if s is not None}
     working = [r for r, s in answering.items() if s.phase != "collective"]
-    if working or recovering:
+    if working or recovering or others_progress:
         return sorted(working)
     least = min((s.progress for s in answering.values()), default=0)
     return sorted(r for r, s in answering.items() if s.progress == least)

@@ -29,6 +29,7 @@ from ..config import load_config
 from ..contract import Holdings, Node, RunEnd, Snapshot, Status
 from ..errors import ConfigError, PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
+from .busy import busy_seconds
 
 # torch is imported inside the methods: the driver imports this module to create
 # the actors and should not pay for importing torch before its first step.
@@ -59,6 +60,9 @@ class Worker:
         self._snapshots: Any = None
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
+        # The thread that forms the group and trains (ids: the kernel's, Python's), for the
+        # driver's clock of this worker's progress (status().busy_s).
+        self._working: tuple[int, int] | None = None
         self._forming: str | None = None  # while setup or regroup runs (Status.forming)
         self._rows: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
@@ -115,6 +119,7 @@ class Worker:
         directory, or a peer snapshot (without data: this worker's own). A worker that
         trained in an earlier group starts over in this one. Returns (total steps, steps
         per epoch, whether the state is replicated)."""
+        self._note_working()
         self._imports.wait()
         from .dist import choose_backend, choose_device, init_group
         from .loop import Loop, LoopSettings, Outlets
@@ -174,6 +179,7 @@ class Worker:
         from .dist import leave_group
 
         self._run_thread = threading.get_ident()
+        self._note_working()
         try:
             weights = self.loop.fit()
         except Exception as exc:
@@ -201,12 +207,13 @@ class Worker:
         waits for its peers, or where the training thread is anywhere inside
         torch.distributed (a collective in DDP's forward, or in the task's own code)."""
         loop = self.loop
+        busy = busy_seconds(*self._working) if self._working else None
         if loop is None:
-            return Status(0, 0, "setup", forming=self._forming)
+            return Status(0, 0, "setup", forming=self._forming, busy_s=busy)
         phase = loop.phase
         if phase != "collective" and _in_collective(sys._current_frames().get(self._run_thread)):
             phase = "collective"
-        return Status(loop.step, loop.progress, phase, loop._after_pending, forming=self._forming)
+        return Status(loop.step, loop.progress, phase, loop._after_pending, forming=self._forming, busy_s=busy)
 
     def request_pause(self) -> None:
         """Pause `run` at the next step boundary all ranks agree on."""
@@ -271,6 +278,7 @@ class Worker:
         return the step it will continue after."""
         from .dist import init_group
 
+        self._note_working()
         with _as_worker_error(self), self._forming_group():
             if state is not None:  # first: should the group fail to form, this state is kept
                 self.loop.load_state_dict(_load(state))
@@ -306,6 +314,10 @@ class Worker:
         with_retries(lambda: storage.write_atomic(f"{run.name}/model.pt", data), "model.pt",
                      storage.path(f"{run.name}/model.pt"), kept)
         return storage.uri_of(f"{run.name}/model.pt")
+
+    def _note_working(self) -> None:
+        """This call's thread forms the group or trains: status() reads its clock."""
+        self._working = (threading.get_native_id(), threading.get_ident())
 
     @contextlib.contextmanager
     def _forming_group(self):

@@ -52,6 +52,8 @@ class RayWorkerGroup:
         self._pending: list[Any] = []
         self._finished: dict[int, RunEnd] = {}
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
+        # Replacements started by a re-form that failed before they were up (_starting_ranks).
+        self._starting: list[Any] = []
 
     @property
     def actors(self) -> list[Any]:
@@ -134,14 +136,16 @@ class RayWorkerGroup:
         self.spares.shutdown()
         self.slots.shutdown()  # its newcomers, and every placement group
         self.forming.clear()
+        self._starting = []
         self.roster.actors, self.roster.slots = [], []
         self._runs, self._pending, self._finished = [], [], {}
 
     # ------------------------------------------------------------------ control
 
     def status(self, timeout: float = 1.0) -> list[Status | None]:
-        """Each worker's progress (None: no answer within `timeout`, or dead)."""
-        return actors.ask(self.roster, range(len(self.roster.actors)), "status", timeout)
+        """Each worker's progress (None: no answer within `timeout`, or dead; a late answer
+        comes at the next call: actors.ask_once)."""
+        return actors.ask_once(self.roster, range(len(self.roster.actors)), "status", timeout)
 
     def dump_stacks(self, rank: int, timeout: float = 5.0) -> str | None:
         return actors.ask(self.roster, [rank], "dump_stacks", timeout)[0]
@@ -213,8 +217,9 @@ class RayWorkerGroup:
         (call again with its `dead`)."""
         scaling, roster = self.config.scaling, self.roster
         world = len(roster.actors)
-        leave = [r for r in leave if r not in dead]
-        others = [r for r in range(world) if r not in dead]
+        starting = self._starting_ranks(dead)
+        leave = [r for r in leave if r not in dead and r not in starting]
+        others = [r for r in range(world) if r not in dead and r not in starting]
         regrow = [r for r in regrow if r in dead] if others else []  # someone must go on
         asked = self._replace(dead, regrow)
         try:
@@ -230,14 +235,15 @@ class RayWorkerGroup:
             if node is not None:
                 moved[rank] = node
         staying = len(others) - len(leave) + len(moved)
-        waited = [r for r in dead if r not in regrow]
+        waited = [r for r in dead if r not in regrow] + starting
         placed = self.slots.wait_placed(roster, waited, staying + len(self.slots.ready_joiners(take=False)), asked)
-        for rank in dead:
+        self._starting = []
+        for rank in dead + starting:
             if rank not in placed:  # its slot stays reserved: it may join later
                 ray.kill(roster.actors[rank], no_restart=True)
         joiners = self.slots.ready_joiners(take=True)
         placed.update(moved)
-        keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
+        keep = [r for r in range(world) if r in placed or (r not in dead and r not in starting and r not in leave)]
         self.moves.cancel_all()  # ranks are renumbered: replacements still wanted are asked again
         if leave:
             self.spares.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
@@ -268,8 +274,8 @@ class RayWorkerGroup:
         self._restock()
         return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
                         state_from="memory" if source is not None else "object_store",
-                        replaced=sorted(r for r in placed if r in dead),
-                        dropped=[r for r in dead + leave if r not in placed], moved=sorted(moved),
+                        replaced=sorted(r for r in placed if r in dead or r in starting),
+                        dropped=[r for r in dead + starting + leave if r not in placed], moved=sorted(moved),
                         added=len(joiners),
                         resynced=[r for r in holders if holders[r].position != at.position])
 
@@ -284,16 +290,18 @@ class RayWorkerGroup:
         checkpoint is the way back then), and ReformFailed when a worker is lost meanwhile."""
         roster = self.roster
         world = len(roster.actors)
+        lost = dead + self._starting_ranks(dead)  # a replacement not up yet holds nothing either
         asked = self._replace(dead)
-        others = [r for r in range(world) if r not in dead]
+        others = [r for r in range(world) if r not in lost]
         held = self.forming.answers(others, "snapshots_held")
         secured = {rank: step for rank, (step, _) in self.forming.copies.items()}
-        step, why = choose_snapshot(world, dead, held, secured)
+        step, why = choose_snapshot(world, lost, held, secured)
         if step is None:
             raise NoSurvivors(f"no peer snapshot serves: {why}")
         loads, peers = self.forming.secure_copies(step, world, others, held)
-        placed = self.slots.wait_placed(roster, dead, len(others), asked)
-        missing = [r for r in dead if r not in placed]
+        placed = self.slots.wait_placed(roster, lost, len(others), asked)
+        self._starting = []
+        missing = [r for r in lost if r not in placed]
         if missing:
             raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
                               f"scaling.replace_timeout_s={self.config.scaling.replace_timeout_s:g}, and peer "
@@ -303,7 +311,7 @@ class RayWorkerGroup:
         self.forming.clear()
         self._restock()
         return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
-                        replaced=sorted(dead), snapshot_step=step, peers=peers)
+                        replaced=sorted(lost), snapshot_step=step, peers=peers)
 
     def _replace(self, dead: list[int], regrow: list[int] = ()) -> dict[int, Any]:
         """Kill the `dead` ranks' workers and start their replacements: the one started for
@@ -325,12 +333,21 @@ class RayWorkerGroup:
             roster.slots[rank] = self.slots.renew(roster.slots[rank])
             if rank not in regrow:
                 roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
+                self._starting.append(roster.actors[rank])
         # Replacements of the ranks left behind, and the next spares, start once the group
         # has formed (_restock), not now: starting a process and importing torch took the
         # cores the recovery needed (on 2 cores, it held up the spare taking over when that
         # was still starting), and one started now would still be starting at a recovery's
         # next attempt.
         return asked
+
+    def _starting_ranks(self, dead: list[int]) -> list[int]:
+        """The ranks (not in `dead`) whose worker is a replacement that an earlier attempt
+        of this recovery started and that was not waited for yet (the attempt failed first):
+        a process still starting, importing torch, answers nothing and holds no state; it is
+        waited for like the new ones, not asked and taken for hung."""
+        return [r for r, actor in enumerate(self.roster.actors)
+                if r not in dead and any(actor is a for a in self._starting)]
 
     def _restock(self) -> None:
         """Once a group has formed: start a worker in every free slot placed (the ranks left

@@ -37,6 +37,8 @@ class Roster:
     actors: list[Any] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)
+    asking: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict)
+    """(id of an actor, a control call) -> (the actor, the call not answered yet): see ask_once."""
 
     def ip(self, rank: int) -> str | None:
         return self.nodes[rank].ip if rank < len(self.nodes) else None
@@ -88,6 +90,34 @@ def ask(roster: Roster, ranks: Iterable[int], method: str, timeout: float) -> li
             out.append(ray.get(ref, timeout=0))
         except (GetTimeoutError, RayActorError, RayTaskError):
             out.append(None)
+    return out
+
+
+def ask_once(roster: Roster, ranks: Iterable[int], method: str, timeout: float) -> list[Any]:
+    """`ask`, but a call still unanswered from an earlier ask is waited for again rather than
+    made anew: a worker that a loaded machine lets answer only after `timeout` (its process
+    waits for a core, its call in a queue) answers the next time, while one that never
+    answers (frozen) stays silent."""
+    refs = []
+    for rank in ranks:
+        actor = roster.actors[rank]
+        key = (id(actor), method)
+        if key not in roster.asking:
+            roster.asking[key] = (actor, control(actor, method).remote())
+        refs.append(roster.asking[key][1])
+    ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    out = []
+    for rank, ref in zip(ranks, refs):
+        try:
+            out.append(ray.get(ref, timeout=0))
+        except GetTimeoutError:
+            out.append(None)
+            continue
+        except (RayActorError, RayTaskError):
+            out.append(None)
+        roster.asking.pop((id(roster.actors[rank]), method), None)
+    for key in [k for k, (actor, _) in roster.asking.items() if not any(a is actor for a in roster.actors)]:
+        del roster.asking[key]  # gone from the roster: nobody asks it again
     return out
 
 

@@ -25,8 +25,8 @@ from ...checkpoint import CheckpointRef
 from ...config import Config
 from ...contract import Failure, Holdings, ReformFailed, Snapshot, Status
 from ...errors import CheckpointCorrupt, NoSurvivors
-from ..policy import choose_state
-from .actors import Roster, ask, control, outcome
+from ..policy import choose_state, progressed
+from .actors import Roster, ask, ask_once, control, outcome
 
 
 class Forming:
@@ -164,13 +164,16 @@ class Forming:
         channel for step_timeout_s is hung. So is one that answers but has not reached the
         group's rendezvous for step_timeout_s while a peer has waited there as long (stuck
         in its own code, or its call never started): the peers wait for it, not the
-        reverse, and would otherwise wait failure.collective_timeout_s."""
+        reverse, and would otherwise wait failure.collective_timeout_s. Both on the worker's
+        own clock: one that works on its way there (building the task, loading the state),
+        however slowly a loaded machine lets it, is not stuck (policy.progressed)."""
         results: dict[int, Any] = {}
         failures: list[Failure] = []
         pending, deadline = list(refs), None
         answered = {rank: time.monotonic() for rank in refs.values()}  # when each last answered
         # rank -> (before, in or past the rendezvous, since when it was seen there)
         where = {rank: ("before", time.monotonic()) for rank in refs.values()}
+        last: dict[int, tuple[Status, float]] = {}  # rank -> (its last answer, when)
         timeout_s = self.config.failure.step_timeout_s
 
         def fail(failure: Failure) -> None:
@@ -192,12 +195,15 @@ class Forming:
             if ready or timeout_s is None:
                 continue
             waiting, now = [refs[ref] for ref in pending], time.monotonic()
-            for rank, status in zip(waiting, ask(self.roster, waiting, "status", timeout=1.0)):
+            for rank, status in zip(waiting, ask_once(self.roster, waiting, "status", timeout=1.0)):
                 if status is not None:
                     answered[rank] = now
                     at = {"joining": "in", "joined": "past"}.get(status.forming, "before")
-                    if at != where[rank][0]:
+                    before, then = last.get(rank, (None, now))
+                    if at != where[rank][0] or (at == "before" and before is not None
+                                                and progressed(before, status, now - then)):
                         where[rank] = (at, now)
+                    last[rank] = (status, now)
                 elif now - answered[rank] > timeout_s and rank not in {f.rank for f in failures}:
                     fail(Failure(rank, "hung", f"did not answer for {timeout_s:g} s (failure.step_timeout_s) "
                                  "while the group re-formed", None, self.roster.ip(rank)))
