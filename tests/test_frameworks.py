@@ -1,0 +1,85 @@
+"""Frameworks inside your own loop, as their users run them: a Hugging Face Trainer, a
+Lightning Trainer and a plain accelerate loop, each trained on 2 workers, one of them
+SIGKILLed from outside by pid at a random step, recovered from a survivor's memory, and
+ending with the weights of the same run undisturbed (shared per module)."""
+
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+import yaml
+
+import raytrainer
+
+from .conftest import ROOT, assert_no_leaks
+from .faults import Run, kill
+
+
+def events(result, name):
+    return [e for e in result.events if e["event"] == name]
+
+
+def weights(result):
+    return torch.load(result.run_dir / "model.pt", weights_only=True)
+
+
+def assert_same_weights(a, b):
+    a, b = weights(a), weights(b)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def killed_once(cfg, first_step, last_step, timeout=240):
+    """The run with a random rank SIGKILLed by pid at a random moment after a random step."""
+    run = Run(cfg)
+    rng = random.Random()
+    run.wait_for_step(rng.randint(first_step, last_step), timeout=timeout)
+    time.sleep(rng.uniform(0, 0.1))  # anywhere in a step
+    victim = rng.randrange(2)
+    kill(run.pids()[victim])
+    result = run.result(timeout=timeout)
+    (failed,), (recovered,) = events(result, "worker_failed"), events(result, "recovered")
+    assert failed["kind"] == "died" and failed["rank"] == victim
+    assert recovered["state_from"] == "memory" and not events(result, "resumed")  # no checkpoint was read
+    return result, recovered
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+def hf_config(tmp_path, name, **args):
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "configs/hf_trainer.yaml")))
+    cfg["task"]["args"].update(block_size=32, n_embd=32, n_head=2, max_bytes=60_000, save_steps=6, eval_steps=4,
+                               **args)
+    cfg["trainer"]["max_steps"] = 12
+    cfg.update(run={"name": name, "storage": str(tmp_path)}, loggers=[], failure={"step_timeout_s": 120})
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def hf_undisturbed(ray_local, tmp_path_factory):
+    pytest.importorskip("transformers")
+    return raytrainer.train(hf_config(tmp_path_factory.mktemp("hf"), "hf"), progress=False)
+
+
+def test_a_hugging_face_trainer_reports_its_logs_evaluations_and_checkpoints(hf_undisturbed):
+    """examples/hf_trainer.py: the Trainer's loss and evaluation metrics in metrics.jsonl, the
+    checkpoints it saves committed with its files."""
+    rows = [json.loads(line) for line in (hf_undisturbed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["loss"] > 0 and r["world_size"] == 2 and "lr" in r for r in rows)
+    assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8, 12]
+    assert [e["step"] for e in events(hf_undisturbed, "checkpoint_committed")] == [6, 12]
+    newest = hf_undisturbed.run_dir / "checkpoints" / "step-00000012"
+    assert {"COMMITTED", "state.pt", "trainer_state.json", "model.safetensors", "optimizer.pt"} <= \
+        {p.name for p in newest.iterdir()}
+    assert json.loads((newest / "trainer_state.json").read_text())["global_step"] == 12
+
+
+def test_a_hugging_face_trainer_recovers_a_killed_worker_from_memory(hf_undisturbed, tmp_path):
+    result, recovered = killed_once(hf_config(tmp_path, "hf", step_sleep_s=0.1), 2, 8)
+    assert recovered["steps_lost"] <= 1
+    assert [r["step"] for r in result.history] == list(range(1, 13))
+    assert_same_weights(result, hf_undisturbed)  # the Trainer resumed exactly where it was
+    assert_no_leaks()
