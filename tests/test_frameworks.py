@@ -53,6 +53,7 @@ def hf_config(tmp_path, name, **args):
     cfg["task"]["args"].update(block_size=32, n_embd=32, n_head=2, max_bytes=60_000, save_steps=6, eval_steps=4,
                                **args)
     cfg["trainer"]["max_steps"] = 12
+    cfg["scaling"]["placement_timeout_s"] = 300  # a replacement's start, on a loaded machine
     cfg.update(run={"name": name, "storage": str(tmp_path)}, loggers=[], failure={"step_timeout_s": 120})
     return cfg
 
@@ -82,4 +83,53 @@ def test_a_hugging_face_trainer_recovers_a_killed_worker_from_memory(hf_undistur
     assert recovered["steps_lost"] <= 1
     assert [r["step"] for r in result.history] == list(range(1, 13))
     assert_same_weights(result, hf_undisturbed)  # the Trainer resumed exactly where it was
+    assert_no_leaks()
+
+
+# --------------------------------------------------------------------------- Lightning, accelerate
+
+def loop_config(tmp_path, name, loop, max_steps=30, **args):
+    return {"task": {"loop": loop, "args": {"samples": 1024, **args}},
+            "trainer": {"max_steps": max_steps, "global_batch_size": 64, "seed": 0},
+            "scaling": {"num_workers": 2, "placement_timeout_s": 300},  # a replacement's start, loaded
+            "failure": {"step_timeout_s": 120}, "run": {"name": name, "storage": str(tmp_path)}, "loggers": []}
+
+
+LIGHTNING = "examples.lightning_loop:train_func"
+ACCELERATE = "examples.accelerate_loop:train_func"
+
+
+@pytest.fixture(scope="module")
+def lightning_undisturbed(ray_local, tmp_path_factory):
+    pytest.importorskip("lightning")
+    return raytrainer.train(loop_config(tmp_path_factory.mktemp("pl"), "pl", LIGHTNING), progress=False)
+
+
+def test_a_lightning_trainer_reports_its_logged_metrics_and_validations(lightning_undisturbed):
+    rows = lightning_undisturbed.history
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(r["loss"] > 0 and r["world_size"] == 2 for r in rows)
+    assert [r["epoch"] for r in rows] == [(s - 1) // 16 for s in range(1, 31)]  # 1024 samples, 64 a step
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30]
+    assert rows[-1]["val_acc"] > 0.8
+
+
+def test_a_lightning_trainer_recovers_a_killed_worker_from_memory(lightning_undisturbed, tmp_path):
+    """Killed anywhere, maybe in the second epoch: Lightning resumes mid-epoch from the
+    survivor's state at the batch it stopped at (raytrainer's dataloader)."""
+    result, recovered = killed_once(loop_config(tmp_path, "pl", LIGHTNING, step_sleep_s=0.1), 3, 22)
+    assert recovered["steps_lost"] <= 1
+    assert [r["step"] for r in result.history] == list(range(1, 31))
+    assert_same_weights(result, lightning_undisturbed)
+    assert_no_leaks()
+
+
+def test_an_accelerate_loop_recovers_a_killed_worker_from_memory(ray_local, tmp_path):
+    pytest.importorskip("accelerate")
+    undisturbed = raytrainer.train(loop_config(tmp_path, "base", ACCELERATE), progress=False)
+    assert [r["step"] for r in undisturbed.history] == list(range(1, 31))
+    result, recovered = killed_once(loop_config(tmp_path, "acc", ACCELERATE, step_sleep_s=0.1), 3, 22)
+    assert recovered["steps_lost"] <= 1
+    assert [r["step"] for r in result.history] == list(range(1, 31))
+    assert_same_weights(result, undisturbed)
     assert_no_leaks()

@@ -173,16 +173,34 @@ def dataloader(ctx: Any, dataset: Any, batch_size: int | None = None, **kwargs: 
     trainer.global_batch_size) in the run's seeded order, starting at the step resumed from
     (ctx.sampler). Give the Trainer `use_distributed_sampler=False`: the batches are
     already this rank's."""
-    return _ResumableLoader(dataset, batch_sampler=ctx.sampler(dataset, batch_size), **kwargs)
+    return _ResumableLoader(dataset, batch_sampler=_Batches(ctx.sampler(dataset, batch_size)), **kwargs)
+
+
+class _Batches:
+    """ctx.sampler as Lightning drives a batch sampler: it sets the epoch on
+    `batch_sampler.sampler` (lightning.fabric.utilities.data._set_sampler_epoch), and counts
+    a resumed epoch's batches from the checkpoint's position, so the length is the whole
+    epoch's."""
+
+    def __init__(self, batches: Any):
+        self.batches = batches
+        self.sampler = _Epochs(batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return self.batches.steps_per_epoch
+
+
+class _Epochs:
+    def __init__(self, batches: Any):
+        self.set_epoch = batches.set_epoch
 
 
 class _ResumableLoader(torch.utils.data.DataLoader):
-    """Lightning counts a resumed epoch's batches from the checkpoint's position: the length
-    is the whole epoch's, and the loader says it resumes (state_dict/load_state_dict), which
-    it does from ctx.step, so Lightning need not warn."""
-
-    def __len__(self) -> int:
-        return self.batch_sampler.steps_per_epoch
+    """A loader that says it resumes (state_dict/load_state_dict), which it does from
+    ctx.step: Lightning need not warn that a mid-epoch resume is unreliable."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
