@@ -89,6 +89,9 @@ class RaytrainerEnvironment(ClusterEnvironment):
         return int(os.environ.get("NODE_RANK", 0))
 
 
+TO_MEMORY = "raytrainer://memory"  # the path that RaytrainerDDPStrategy.save_checkpoint keeps in memory
+
+
 class RaytrainerDDPStrategy(DDPStrategy):
     """DDPStrategy on raytrainer's process group, on ctx.device (any DDPStrategy argument:
     `static_graph=True`, `find_unused_parameters=True`, ...)."""
@@ -97,6 +100,7 @@ class RaytrainerDDPStrategy(DDPStrategy):
         kwargs.setdefault("cluster_environment", RaytrainerEnvironment(ctx))
         super().__init__(**kwargs)
         self.ctx = ctx
+        self.in_memory: dict[str, Any] | None = None
 
     @property
     def root_device(self) -> torch.device:
@@ -105,6 +109,14 @@ class RaytrainerDDPStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.ctx.world_size, "rank": self.ctx.rank}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Trainer.save_checkpoint(TO_MEMORY) hands the checkpoint's dict to the callback
+        instead of writing a file (Lightning's public way to the dict it saves)."""
+        if filepath == TO_MEMORY:
+            self.in_memory = checkpoint
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
 
 class RaytrainerCallback(pl.Callback):
@@ -118,6 +130,12 @@ class RaytrainerCallback(pl.Callback):
         self._row: dict[str, Any] | None = None  # the step's row, until it is reported
         self._validation_keys: set[str] = set()
         self._last = ctx.step  # the newest step with a row: accumulating batches add none
+
+    def setup(self, trainer, pl_module, stage):
+        if not isinstance(trainer.strategy, RaytrainerDDPStrategy):
+            raise TypeError(f"RaytrainerCallback needs Trainer(strategy=RaytrainerDDPStrategy(ctx)), not "
+                            f"{type(trainer.strategy).__name__}: the state reported is the checkpoint that "
+                            "strategy keeps in memory")
 
     # A step is reported at the next hook after it: the model and optimizers are as the step
     # left them until the next batch starts, and a validation run after the step adds its
@@ -210,12 +228,11 @@ class _ResumableLoader(torch.utils.data.DataLoader):
 
 
 def _checkpoint(trainer) -> dict[str, Any]:
-    """Lightning's checkpoint of the fit as a dict, without writing a file:
-    trainer._checkpoint_connector.dump_checkpoint() is private (the dict Trainer.save_checkpoint
-    writes; checked on lightning 2.6.6); without it the state would go through a file every
-    report. Hyperparameters are left out: the module's __init__ sets them again, and they
-    may hold objects that are not plain values."""
-    ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    """Lightning's checkpoint of the fit as a dict (what Trainer.save_checkpoint writes, its
+    hooks run), kept in memory by the strategy. Hyperparameters are left out: the module's
+    __init__ sets them again, and they may hold objects that are not plain values."""
+    trainer.save_checkpoint(TO_MEMORY, weights_only=False)
+    ckpt, trainer.strategy.in_memory = trainer.strategy.in_memory, None
     for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters", "datamodule_hparams_name"):
         ckpt.pop(key, None)
     return ckpt
