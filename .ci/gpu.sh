@@ -7,7 +7,8 @@
 #
 # Without an NVIDIA GPU it says that nothing was run and exits 0. With one it builds a venv
 # (default .venv-gpu, gitignored; reused) with a CUDA build of torch (PyPI's Linux wheels are
-# CUDA builds) and the project, unless PYTHON names an interpreter that already has them.
+# CUDA builds) and the project, unless PYTHON names an interpreter that has them, or python3
+# already has a CUDA torch and Ray.
 #   bash .ci/gpu.sh [CHECK ...]          e.g. bash .ci/gpu.sh nccl-1rank amp-fp16
 #   PYTHON=.venv/bin/python bash .ci/gpu.sh
 set -euo pipefail
@@ -17,7 +18,14 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     exit 0
 fi
 nvidia-smi -L
-if [ -z "${PYTHON:-}" ]; then
+ready() {  # an interpreter with a CUDA torch and Ray: the project runs from this checkout
+    "$1" -c "import sys, torch, ray, yaml, cloudpickle; sys.exit(not torch.cuda.is_available())" 2>/dev/null
+}
+if [ -n "${PYTHON:-}" ]; then
+    :
+elif ready python3; then
+    PYTHON=python3  # a GPU machine's own (one lent without network access has no index to install from)
+else
     venv=${VENV:-.venv-gpu}
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     PYTHON=$venv/bin/python
@@ -26,6 +34,6 @@ if [ -z "${PYTHON:-}" ]; then
     fi
     "$PYTHON" -m pip install -q -e ".[examples]"
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # raytrainer, examples/ and configs/ from here
 "$PYTHON" -c "import torch; print('+ torch', torch.__version__, 'CUDA', torch.version.cuda)"
-# Workers import examples.* and configs/ from here (the repository root).
 exec timeout 420 "$PYTHON" -m raytrainer.bench.gpu "$@"

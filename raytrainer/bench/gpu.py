@@ -347,9 +347,14 @@ def check_fsdp2(tmp: str) -> Check:
 
 
 def check_digits(tmp: str) -> Check:
+    import importlib.util
+
     import raytrainer
     import yaml
 
+    if importlib.util.find_spec("sklearn") is None:
+        return Check("digits-gpu", None, "not run: scikit-learn (the digits) is not installed: "
+                     "pip install -e '.[examples]'")
     cfg = yaml.safe_load((ROOT / "configs/digits.yaml").read_text())
     cfg["scaling"] = {**cfg.get("scaling", {}), "use_gpu": True, "num_workers": 1}
     cfg.update(run={"name": "digits", "storage": tmp}, loggers=[])
