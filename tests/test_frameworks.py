@@ -86,6 +86,46 @@ def test_a_hugging_face_trainer_recovers_a_killed_worker_from_memory(hf_undistur
     assert_no_leaks()
 
 
+class FakeContext:
+    """ctx as one worker alone sees it, its reports recorded (state copied as raytrainer does)."""
+
+    def __init__(self, step=0, state=None, max_steps=8):
+        self.rank, self.world_size, self.local_rank, self.device = 0, 1, 0, torch.device("cpu")
+        self.step, self.state, self.checkpoint = step, state, None
+        self.max_steps, self.global_batch_size, self.seed = max_steps, 4, 0
+        self.reports = []
+
+    def report(self, metrics, state=None, checkpoint=None):
+        from raytrainer.worker.userloop import _copy_state
+
+        self.reports.append((dict(metrics), state and _copy_state(state), checkpoint))
+
+
+@pytest.mark.slow  # transformers' import and two Trainers: out of the quick lane
+def test_the_hugging_face_callback_reports_at_the_trainers_steps_and_resumes_exactly_from_a_state():
+    """One process, no Ray: a report per logged step with its evaluation merged, the state
+    every 3 steps, the saved checkpoints handed over; a Trainer resumed from the state of
+    step 6 ends with the same weights."""
+    pytest.importorskip("transformers")
+    from examples.hf_trainer import train_func
+
+    args = dict(block_size=16, n_embd=16, n_layer=1, n_head=2, max_bytes=20_000, save_steps=4, eval_steps=4,
+                state_every=3)
+    ctx = FakeContext()
+    first = train_func(ctx, **args).state_dict()
+    assert [m["step"] for m, _, _ in ctx.reports] == list(range(1, 9))
+    assert all(m["loss"] > 0 for m, _, _ in ctx.reports)
+    assert [m["step"] for m, _, _ in ctx.reports if "eval_loss" in m] == [4, 8]
+    assert [m["step"] for m, state, _ in ctx.reports if state] == [3, 6]
+    assert [os.path.basename(c) for _, _, c in ctx.reports if c] == ["checkpoint-4", "checkpoint-8"]
+    _, state, _ = ctx.reports[5]
+    assert set(state) == {"model", "optimizer", "scheduler", "trainer_state"}
+    again = FakeContext(step=6, state=state)
+    second = train_func(again, **args).state_dict()
+    assert [m["step"] for m, _, _ in again.reports] == [7, 8]
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
 # --------------------------------------------------------------------------- Lightning, accelerate
 
 def loop_config(tmp_path, name, loop, max_steps=30, **args):
