@@ -15,6 +15,8 @@ where $OUT is set, or --json PATH).
                       memory, against a synchronous torch.save: the training thread's stall
     gpt2-throughput   GPT-2-small (124M) in bf16: tokens/s and MFU of a plain torch loop and of
                       raytrainer, side by side on the same GPU
+    loops-gpu         the Hugging Face, Lightning and accelerate examples as your own loop on
+                      the GPU (those installed)
 
 Without CUDA it prints that nothing was run and exits 0. The pure parts (the table, the JSON,
 the FLOP and MFU arithmetic, the GPT model and the plain loop at a tiny size) are tested on
@@ -473,6 +475,40 @@ def check_throughput(tmp: str, steps: int = 30, warmup: int = 8) -> Check:
                                                    "peak_flops": peak, "device": name})
 
 
+LOOPS = {  # your own loop's framework examples: (the module they need, the config, its overrides)
+    "hf": ("transformers", "configs/hf_trainer.yaml", {"max_bytes": 200_000, "save_steps": 10, "eval_steps": 10}),
+    "lightning": ("lightning", "configs/lightning_loop.yaml", {}),
+    "accelerate": ("accelerate", "configs/accelerate_loop.yaml", {}),
+}
+
+
+def check_loops(tmp: str) -> Check:
+    """The Hugging Face, Lightning and accelerate examples as your own loop on the GPU, 20
+    steps each (those whose framework is installed)."""
+    import importlib.util
+
+    import raytrainer
+    import yaml
+
+    ran, missing, bad = [], [], []
+    for name, (module, config, args) in LOOPS.items():
+        if importlib.util.find_spec(module) is None:
+            missing.append(name)
+            continue
+        cfg = yaml.safe_load((ROOT / config).read_text())
+        cfg["task"]["args"].update(args)
+        cfg["trainer"]["max_steps"] = 20
+        cfg["scaling"] = {"num_workers": 1, "use_gpu": True}
+        cfg.update(run={"name": name, "storage": tmp}, loggers=[])
+        result = raytrainer.train(cfg, progress=False)
+        steps = [r["step"] for r in result.history if "loss" in r]
+        (ran if steps and steps[-1] == 20 else bad).append(name)
+    if not ran and not bad:
+        return Check("loops-gpu", None, f"not run: none of {sorted(LOOPS)} is installed")
+    return Check("loops-gpu", not bad, f"20 steps on the GPU: {ran or 'none'}; failed: {bad or 'none'}; "
+                 f"not installed: {missing or 'none'}")
+
+
 CHECKS: list[tuple[str, Callable[[str], Check]]] = [
     ("nccl-1rank", check_nccl_one_rank),
     ("2ranks-1gpu", check_two_ranks_one_gpu),
@@ -483,6 +519,7 @@ CHECKS: list[tuple[str, Callable[[str], Check]]] = [
     ("kill-cuda-worker", check_kill),
     ("async-pinned", check_async_pinned),
     ("gpt2-throughput", check_throughput),
+    ("loops-gpu", check_loops),
 ]
 
 
