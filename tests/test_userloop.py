@@ -276,36 +276,3 @@ def test_your_loop_pauses_at_a_report_with_state_and_goes_on_from_it(ray_local, 
     after = [r for r in rows if r["started_at"] > 0]
     assert after and after[0]["started_at"] == reformed.step and after[-1]["step"] == 30
     assert_no_leaks()
-
-
-# --------------------------------------------------------------------------- Hugging Face inside
-
-def test_the_hugging_face_example_trains_and_recovers_a_killed_worker(ray_local, tmp_path):
-    """examples/hf_trainer.py with its config, made small: the Trainer's loss in metrics.jsonl,
-    its checkpoints committed, and a worker SIGKILLed mid-run recovered from memory."""
-    import yaml
-
-    cfg = yaml.safe_load(open(os.path.join(ROOT, "configs/hf_trainer.yaml")))
-    cfg["task"]["args"].update(block_size=32, n_embd=32, n_head=2, max_bytes=100_000, save_steps=6,
-                               step_sleep_s=0.1)
-    cfg["trainer"]["max_steps"] = 16
-    cfg.update(run={"name": "hf", "storage": str(tmp_path)}, loggers=[], failure={"step_timeout_s": 120})
-    run = Run(cfg)
-    rng = random.Random()
-    run.wait_for_step(rng.randint(2, 8), timeout=180)
-    time.sleep(rng.uniform(0, 0.1))
-    victim = rng.randrange(2)
-    kill(run.pids()[victim])
-    result = run.result(timeout=300)
-    (failed,), (recovered,) = events(result, "worker_failed"), events(result, "recovered")
-    assert failed["kind"] == "died" and failed["rank"] == victim
-    assert recovered["state_from"] == "memory" and recovered["steps_lost"] <= 1 and not events(result, "resumed")
-    assert [r["step"] for r in result.history] == list(range(1, 17))
-    assert all(r["loss"] > 0 and r["world_size"] == 2 for r in result.history)
-    assert {12, 16} <= {e["step"] for e in events(result, "checkpoint_committed")}
-    newest = tmp_path / "hf" / "checkpoints" / "step-00000016"
-    assert {"COMMITTED", "state.pt", "trainer_state.json", "model.safetensors", "optimizer.pt"} <= \
-        {p.name for p in newest.iterdir()}
-    assert json.loads((newest / "trainer_state.json").read_text())["global_step"] == 16
-    assert (tmp_path / "hf" / "model.pt").is_file()
-    assert_no_leaks()
