@@ -46,7 +46,7 @@ from ..callbacks import Callbacks
 from .chaos import Chaos
 from ..checkpoint import Checkpoints, Committed
 from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TrainerConfig
-from ..contract import Snapshot
+from ..contract import Reshard, Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
 from ..errors import ConfigError, TaskError
@@ -106,7 +106,7 @@ class Outlets:
 
 class Loop:
     def __init__(self, task: Task, settings: LoopSettings, outlets: Outlets | None = None, *, rank: int,
-                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | None = None):
+                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | Reshard | None = None):
         cfg, outlets = settings.trainer, outlets or Outlets()
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -176,7 +176,7 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
                                      replicated=self.strategy.replicated, rank=rank)
-        sharded = isinstance(state, (str, Snapshot))
+        sharded = isinstance(state, (str, Snapshot, Reshard))
         if (state is not None) and sharded == self.strategy.replicated:
             written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
             raise ConfigError(f"the checkpoint to resume from is {written} but this run has trainer.strategy="
@@ -185,6 +185,10 @@ class Loop:
             state = self.strategy.read_checkpoint(state, self.state_dict())
         elif isinstance(state, Snapshot):  # a peer snapshot of this rank's shards
             state = restore(self.state_dict(), load(state))
+        elif isinstance(state, Reshard):  # every rank's snapshot, of another world size (parts with data)
+            from .reshard import reshard
+
+            state = reshard(self.state_dict(), [load(part) for part in state.parts])
         if state is not None:
             self.load_state_dict(state)
             # A run resumed from a checkpoint decides anew whether to stop (its max_steps
@@ -245,7 +249,10 @@ class Loop:
             self.train_step()
         self.flush(wait=True)
         if self.paused:  # for a resize: regroup(), then fit() again
-            if not self.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
+            if self.snapshots is not None and self.snapshots.every:  # re-sharded from memory (reshard.py)
+                self.snapshots.keep(self.step, self.state_dict())
+                self.saver.finish()  # an asynchronous save in flight runs on this group
+            elif not self.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
                 self.save_checkpoint()
                 self.saver.finish()
             return None
