@@ -223,7 +223,8 @@ class WorkerGroup(Protocol):
         those in `regrow` are dropped at once instead, their replacements started once the
         group has re-formed, to join at a later `reform` (`joinable`)."""
         ...
-    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False) -> Reformed:
+    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
+                          leave: list[int] = ()) -> Reformed:
         """Sharded state: replace the `dead` ranks and go back, at the same world size, to
         the newest peer snapshot every worker has (NoSurvivors when there is none). Those in
         `regrow` are dropped at once instead (their replacements join later, as `reform`'s),
