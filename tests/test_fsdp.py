@@ -197,7 +197,7 @@ def test_two_non_neighbours_killed_go_on_at_two_resharded_from_peers_and_grow_ba
     cfg = peer_config(tmp_path, "reshard", workers=4)
     cfg["task"] = {"target": "tests.tasks:ElasticTask", "args": {"sleep_s": 2.0, "slow_while": str(slow)}}
     run = Run(cfg)
-    run.wait_for_step(6)
+    run.wait_for_step(6, timeout=300)  # four processes start and import torch first
     time.sleep(random.uniform(0, 0.5))
     pids = run.pids()
     kill(pids[0])
