@@ -385,8 +385,9 @@ class FailureConfig:
     scaling.placement_timeout_s, then the run fails as when they cannot be placed). exact:
     wait for the replacement (a process start and torch import: seconds), keeping the world
     size, so a run with failures ends bit-identical to an undisturbed one. Either way a
-    ready warm spare takes the lost worker's place at once, bit-identically; sharded state
-    (fsdp) and a fixed-size run with trainer.batch_policy per_worker always wait."""
+    ready warm spare takes the lost worker's place at once, bit-identically; a fixed-size
+    run with trainer.batch_policy per_worker always waits. Sharded state (fsdp) goes back
+    to its peer snapshots, re-sharded onto the ranks left (fast) or at the same size (exact)."""
     warm_spares: int = 1
     """Idle worker processes kept ready (torch and torch._dynamo imported, no resources
     held) to take a lost CPU worker's place at once, keeping the world size (a GPU worker

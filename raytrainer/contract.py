@@ -89,6 +89,18 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Reshard:
+    """What a worker loads to go on from the peer snapshots of `step` at another world size
+    (sharded state, after a fast recovery or for a grow): every rank's snapshot of the group
+    they were taken in, by that group's rank. Each part is a Snapshot without data (this
+    worker's own, in its memory) or a reference to a Snapshot in the object store, which
+    the worker fetches itself: the driver never holds the bytes."""
+
+    step: int
+    parts: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class Failure:
     rank: int
     kind: Literal["died", "hung", "error", "interrupted"]
@@ -216,9 +228,13 @@ class WorkerGroup(Protocol):
         those in `regrow` are dropped at once instead, their replacements started once the
         group has re-formed, to join at a later `reform` (`joinable`)."""
         ...
-    def reform_from_peers(self, dead: list[int]) -> Reformed:
+    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
+                          leave: list[int] = ()) -> Reformed:
         """Sharded state: replace the `dead` ranks and go back, at the same world size, to
-        the newest peer snapshot every worker has (NoSurvivors when there is none)."""
+        the newest peer snapshot every worker has (NoSurvivors when there is none). Those in
+        `regrow` are dropped at once instead (their replacements join later, as `reform`'s),
+        and with `grow` the workers ready to join are added: the state is then re-sharded
+        from the snapshots onto the ranks of the new group."""
         ...
     def joinable(self) -> int: ...
     def draining(self) -> dict[str, float | None]:
@@ -257,7 +273,7 @@ class WorkerActor(Protocol):
         and passes the second by reference to every worker's setup, never fetching it."""
         ...
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]: ...
+              resume: bytes | str | Snapshot | Reshard | None = None) -> tuple[int | None, int, bool]: ...
     def run(self) -> RunEnd: ...
     def status(self) -> Status: ...
     def request_pause(self) -> None: ...
@@ -271,6 +287,7 @@ class WorkerActor(Protocol):
         ...
     def snapshots_held(self) -> Holdings: ...
     def peer_snapshot(self, step: int) -> tuple[int, Snapshot]: ...
+    def own_snapshot(self, step: int) -> tuple[int, Snapshot]: ...
     def regroup(self, rank: int, world_size: int, addr: str, port: int, state: bytes | None = None) -> int: ...
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]: ...
     def save_paused(self) -> int:

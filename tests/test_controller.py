@@ -260,7 +260,8 @@ def recovering(tmp_path, group, max_failures, restore=None, **settings):
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
     failure = FailureConfig(max_failures=max_failures, step_timeout_s=None,
-                            recovery=settings.pop("recovery", "fast"))
+                            recovery=settings.pop("recovery", "fast"),
+                            snapshot_every_n_steps=settings.pop("snapshot_every_n_steps", 10))
     settings = ControllerSettings(min_workers=2, poll_interval_s=0, failure=failure, **settings)
     controller = Controller(group, settings, Records(hub=hub, events=events), restore=restore)
     return controller, events
@@ -426,7 +427,9 @@ class ShardedGroup(FailingGroup):
         self.calls.append(("setup", resume))
         return Formed(NODES, total_steps=3, replicated=False)
 
-    def reform_from_peers(self, dead):
+    def reform_from_peers(self, dead, regrow=(), grow=False, leave=()):
+        if regrow or grow:
+            self.calls.append(("reshard", tuple(regrow), grow))
         return self._scripted("reform_from_peers", dead)
 
 
@@ -437,7 +440,8 @@ def test_sharded_state_recovers_from_peer_snapshots_and_replays_the_steps_since(
     group = ShardedGroup([Poll(rows(1, 2) + [val] + rows(3)), Poll(failures=[died(1, step=3)]),
                           Poll(failures=[interrupted(0)]),
                           Poll(rows(3, 4) + [val, dict(val, step=4)], done=True, result=WEIGHTS)], [from_peers])
-    controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: pytest.fail("read storage"))
+    controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: pytest.fail("read storage"),
+                                    recovery="exact")
     assert controller.run() == WEIGHTS
     events.close()
     # The replayed step 3 and validation of step 2 were recorded the first time only.
@@ -476,12 +480,53 @@ def test_sharded_state_with_no_peer_snapshot_to_go_back_to_restarts_from_the_new
     assert ("rank 0 was lost together with rank 1" if snapshots else "snapshot_every_n_steps is 0") in recovered["why"]
 
 
+def test_sharded_state_goes_on_without_the_lost_ranks_resharded_and_grows_back_when_they_are_up(tmp_path):
+    """failure.recovery fast (the default): the survivors re-shard the peer snapshots
+    onto the ranks left (the world shrinks at once), and the replacement joins at a grow,
+    re-sharded again from the snapshots the workers kept as they paused."""
+    shrunk = Reformed(step=2, nodes=NODES[:1], source=None, state_from="peers", dropped=[1], snapshot_step=2,
+                      peers={1: 0})
+    grown = Reformed(step=4, nodes=NODES, source=None, state_from="peers", added=1, snapshot_step=4)
+    paused = RunEnd("paused", 4, time=0.0)
+    group = ShardedGroup([Poll(rows(1, 2, 3)), Poll(failures=[died(1, step=3)]), Poll(failures=[interrupted(0)]),
+                          Poll(rows(3, 4), paused={0: paused}), Poll(rows(5), done=True, result=WEIGHTS)],
+                         [shrunk, grown])
+    group.joinable = lambda: 1
+    controller, events = recovering(tmp_path, group, max_failures=1, restore=lambda: pytest.fail("read storage"))
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert [c for c in group.calls if c[0] in ("setup", "shutdown", "reshard", "reform_from_peers")] == [
+        ("setup", None), ("reshard", (1,), False), ("reform_from_peers", (1,)), ("reshard", (), True),
+        ("reform_from_peers", ()), ("shutdown",)]
+    log = read(tmp_path / "events.jsonl")
+    recovered = next(e for e in log if e["event"] == "recovered")
+    assert recovered["state_from"] == "peers" and recovered["dropped"] == [1] and recovered["steps_lost"] == 1
+    assert "going on without them" in recovered["replacing"]
+    assert [(e["old_world_size"], e["new_world_size"], e["cause"].split(":")[0]) for e in log
+            if e["event"] == "resized"] == [(2, 1, "failure"), (1, 2, "lost workers replaced")]
+
+
+def test_exact_recovery_of_sharded_state_waits_for_the_replacement_at_the_same_world_size(tmp_path):
+    same = Reformed(step=2, nodes=NODES, source=None, state_from="peers", replaced=[1], snapshot_step=2)
+    group = ShardedGroup([Poll(rows(1, 2, 3)), Poll(failures=[died(1, step=3)]), Poll(failures=[interrupted(0)]),
+                          Poll(rows(3), done=True, result=WEIGHTS)], [same])
+    controller, events = recovering(tmp_path, group, max_failures=1, recovery="exact")
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert not [c for c in group.calls if c[0] == "reshard"] and ("reform_from_peers", (1,)) in group.calls
+    recovered = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered")
+    assert recovered["replacing"] == "failure.recovery is exact"
+
+
 def test_a_sharded_run_resizes_through_the_checkpoint_its_workers_wrote_as_they_paused(tmp_path):
+    """Without peer snapshots (failure.snapshot_every_n_steps 0) a grow restarts the group
+    from the checkpoint the workers wrote as they paused."""
     paused = RunEnd("paused", 2, time=0.0)
     checkpoint = (2, "step-00000002", "/runs/r/checkpoints/step-00000002")
     group = ShardedGroup([Poll(rows(1, 2), paused={0: paused}), Poll(paused={1: paused}),
                           Poll(rows(3), done=True, result=WEIGHTS)], [])
-    controller, events = recovering(tmp_path, group, max_failures=0, restore=lambda: checkpoint)
+    controller, events = recovering(tmp_path, group, max_failures=0, restore=lambda: checkpoint,
+                                    snapshot_every_n_steps=0)
     assert controller.run() == WEIGHTS
     events.close()
     assert [c for c in group.calls if c[0] in ("setup", "shutdown")] == [

@@ -298,9 +298,15 @@ def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
     mixed = plan([2, 0], spares=[2])  # two lost close together, one spare up
     assert (mixed.spares, mixed.wait, mixed.regrow) == ((2,), (), (0,))
     assert plan([0, 1]).regrow == (0, 1)  # one survivor is enough: below min_workers for a while
-    # Waited for, at the same world size: sharded state, exactness asked for, a per-worker
-    # batch that a fixed-size run would shrink, no survivor at all.
-    assert plan([1], replicated=False).wait == (1,) and "snapshots" in plan([1], replicated=False).reason
+    # Sharded state too: the survivors re-shard the peer snapshots onto the ranks left.
+    assert plan([0, 2], world=4, replicated=False).regrow == (0, 2)
+    assert plan([0, 2], spares=[2], world=4, replicated=False) == Replacing(
+        spares=(2,), regrow=(0,), reason="no warm spare up for rank(s) [0]: going on without them while their "
+                                         "replacements start")
+    assert plan([1], spares=[1], replicated=False).regrow == ()  # a spare: no re-shard at all
+    assert plan([1], replicated=False, exact=True).wait == (1,)
+    # Waited for, at the same world size: exactness asked for, a per-worker batch that a
+    # fixed-size run would shrink, no survivor at all.
     assert plan([1, 2], spares=[1], exact=True) == Replacing(spares=(1,), wait=(2,),
                                                               reason="failure.recovery is exact")
     assert plan([1], global_batch_fixed=False).wait == (1,)

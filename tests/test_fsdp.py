@@ -95,19 +95,24 @@ def test_a_checkpoint_from_two_workers_resumes_on_another_world_size(fsdp2, tmp_
 PEER_STEPS = 16
 
 
-def peer_config(tmp_path, name):
+def peer_config(tmp_path, name, workers=3, recovery="fast"):
     """3 workers, a snapshot every 4 steps, a checkpoint every 5; slow enough steps for a
     kill from outside to land in the middle of the run."""
-    cfg = config(tmp_path, name, workers=3, max_steps=PEER_STEPS)
+    cfg = config(tmp_path, name, workers=workers, max_steps=PEER_STEPS)
     cfg["task"]["args"] = {"sleep_s": 0.03}
     cfg["checkpoint"]["every_n_steps"] = 5
-    cfg["failure"].update(snapshot_every_n_steps=4, collective_timeout_s=60)
+    cfg["failure"].update(snapshot_every_n_steps=4, collective_timeout_s=60, recovery=recovery)
     return cfg
 
 
 @pytest.fixture(scope="module")
-def fsdp3(ray_local, tmp_path_factory):
-    return weights(raytrainer.train(peer_config(tmp_path_factory.mktemp("fsdp3"), "fsdp3"), progress=False))
+def fsdp3_run(ray_local, tmp_path_factory):
+    return raytrainer.train(peer_config(tmp_path_factory.mktemp("fsdp3"), "fsdp3"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp3(fsdp3_run):
+    return weights(fsdp3_run)
 
 
 def assert_same(a, b):
@@ -119,10 +124,11 @@ def of(events, name):
 
 
 def test_a_worker_killed_from_outside_is_recovered_from_its_peers_snapshot(fsdp3, tmp_path):
-    """SIGKILL at a random moment after step 6: the survivors go back to their own snapshot
-    of step 4 or 8, the replacement of rank 1 takes the copy rank 2 holds, nothing is read
-    from storage, and the replayed run ends bit-identical to the undisturbed one."""
-    run = Run(peer_config(tmp_path, "peers"))
+    """failure.recovery exact: SIGKILL at a random moment after step 6: the survivors go
+    back to their own snapshot of step 4 or 8, the replacement of rank 1 takes the copy rank
+    2 holds, nothing is read from storage, and the replayed run ends bit-identical to the
+    undisturbed one."""
+    run = Run(peer_config(tmp_path, "peers", recovery="exact"))
     run.wait_for_step(6)
     time.sleep(random.uniform(0, 0.1))
     kill(run.pids()[1])
@@ -143,7 +149,7 @@ def test_a_worker_killed_from_outside_is_recovered_from_its_peers_snapshot(fsdp3
 def test_a_frozen_worker_is_replaced_and_recovered_from_its_peers_snapshot(fsdp3, tmp_path):
     """SIGSTOP: the others wait for it in a sharded collective; after step_timeout_s it alone
     is blamed and killed, and its replacement takes the copy rank 2 holds."""
-    cfg = peer_config(tmp_path, "frozen")
+    cfg = peer_config(tmp_path, "frozen", recovery="exact")
     cfg["failure"]["step_timeout_s"] = 3
     run = Run(cfg)
     run.wait_for_step(6)
@@ -176,4 +182,43 @@ def test_two_neighbours_killed_together_fall_back_to_the_newest_checkpoint(fsdp3
     manifests = [json.loads((p / "COMMITTED").read_text()) for p in (result.run_dir / "checkpoints").iterdir()]
     assert sorted(m["step"] for m in manifests) == [5, 10, 15, 16] and {m["format"] for m in manifests} == {"dcp"}
     assert_same(weights(result), fsdp3)
+    assert_no_leaks()
+
+
+def test_two_non_neighbours_killed_go_on_at_two_resharded_from_peers_and_grow_back(fsdp3_run, tmp_path):
+    """failure.recovery fast (the default), 4 workers, ranks 0 and 2 SIGKILLed together at a
+    random moment: each one's copy is on a survivor (1 and 3), so the two survivors go back
+    to the snapshots of one step, re-shard the whole state onto 2 ranks and go on at once,
+    with the same global batch; the replacements join by the same re-sharding once up. The
+    steps are slow until the group is back at 4 (the test's file), so that happens mid-run.
+    Nothing is read from storage; the run ends within float tolerance of the undisturbed
+    3-worker one (the same global batch and sample order at any world size)."""
+    slow = tmp_path / "slow"
+    slow.touch()
+    cfg = peer_config(tmp_path, "reshard", workers=4)
+    cfg["task"] = {"target": "tests.tasks:ElasticTask", "args": {"sleep_s": 2.0, "slow_while": str(slow)}}
+    run = Run(cfg)
+    run.wait_for_step(6, timeout=300)  # four processes start and import torch first
+    time.sleep(random.uniform(0, 0.5))
+    pids = run.pids()
+    kill(pids[0])
+    kill(pids[2])
+    run.wait_for(lambda: [e for e in of(run.events(), "resized") if e["new_world_size"] == 4], "the grow back to 4",
+                 timeout=180)
+    slow.unlink()
+    result = run.result()
+    recovered = of(result.events, "recovered")
+    assert len(recovered) == 1, recovered
+    back = recovered[0]
+    assert back["state_from"] == "peers" and sorted(back["dropped"]) == [0, 2] and back["peers"] == {"0": 1, "2": 3}
+    assert back["steps_lost"] <= 4 and back["step"] == back["snapshot_step"]  # replayed: <= the interval
+    resized = [(e["old_world_size"], e["new_world_size"], e["cause"].split(":")[0]) for e in of(result.events, "resized")]
+    assert resized == [(4, 2, "failure"), (2, 4, "lost workers replaced")]
+    assert not of(result.events, "resumed")  # no checkpoint was read
+    assert {r["world_size"] for r in result.history if "loss" in r} >= {2, 4}
+    assert_close(weights(result), weights(fsdp3_run))
+    got, base = losses(result), losses(fsdp3_run)
+    assert sorted(got) == list(range(1, PEER_STEPS + 1))
+    for step in base:
+        assert abs(got[step] - base[step]) <= 1e-5 * max(1.0, abs(base[step])), (step, got[step], base[step])
     assert_no_leaks()

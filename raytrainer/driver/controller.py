@@ -324,9 +324,14 @@ class Controller:
                            "resynced": reformed.resynced, "spares": list(plan.spares),
                            "dropped": reformed.dropped, "replacing": plan.reason}
                 elif self.failure.snapshot_every_n_steps:
-                    reformed = self._reform(lost, peers=True)
+                    plan = replacing(lost, spares_ready=self.group.spares_ready(lost), world=self.world,
+                                     replicated=False, exact=self.failure.recovery == "exact",
+                                     global_batch_fixed=not self.per_worker_batch,
+                                     elastic=self.max_workers > self.num_workers)
+                    reformed = self._reform(lost, peers=True, regrow=list(plan.regrow))
                     how = {"state_from": "peers", "snapshot_step": reformed.snapshot_step,
-                           "peers": {str(rank): holder for rank, holder in reformed.peers.items()}}
+                           "peers": {str(rank): holder for rank, holder in reformed.peers.items()},
+                           "spares": list(plan.spares), "dropped": reformed.dropped, "replacing": plan.reason}
                 else:
                     raise NoSurvivors("the state is sharded, so the lost workers' shards are on no survivor, "
                                       "and failure.snapshot_every_n_steps is 0")
@@ -469,6 +474,8 @@ class Controller:
         try:
             if self._replicated:
                 reformed = self._reform([], leave=sorted(leaving))
+            elif self.failure.snapshot_every_n_steps:  # re-sharded from the snapshots kept as they paused
+                reformed = self._reform([], leave=sorted(leaving), peers=True, grow=True)
             else:
                 reformed = self._restart(leave=sorted(leaving))
         except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other
@@ -527,8 +534,11 @@ class Controller:
                         added=max(0, self.world - old_world), dropped=list(range(self.world, old_world)),
                         moved=[r for r in leave if r < self.world])
 
-    def _reform(self, dead: list[int], leave: list[int] = (), peers: bool = False, regrow: list[int] = ()) -> Reformed:
-        if peers:
+    def _reform(self, dead: list[int], leave: list[int] = (), peers: bool = False, regrow: list[int] = (),
+                grow: bool = False) -> Reformed:
+        if peers and (regrow or grow or leave):  # sharded, to another world size: re-sharded
+            reformed = self.group.reform_from_peers(dead, regrow=regrow, grow=grow, leave=leave)
+        elif peers:
             reformed = self.group.reform_from_peers(dead)
         elif regrow:
             reformed = self.group.reform(dead, leave, regrow=regrow)

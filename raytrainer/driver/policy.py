@@ -181,10 +181,12 @@ def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, r
     replacement starts (the same global batch and sample order at any world size, so no
     sample and no step is lost; only the order of sums over ranks and the random streams
     drawn per rank differ: the run ends within float tolerance of an undisturbed one).
+    Sharded state (`replicated` False) goes the same way: a survivor holds its own shards
+    only, so the group goes back to the peer snapshots of one step (replaying the steps
+    since) and every rank of the smaller group re-shards the whole state from them; a
+    replacement joins later by the same re-sharding.
 
-    Waited for instead: every lost rank of sharded state (a survivor holds its own shards
-    only: the group goes back to a peer snapshot at the same world size); every one when the
-    user asked for exactness (failure.recovery: exact); every one of a fixed-size run whose
+    Waited for instead: every one when the user asked for exactness (failure.recovery: exact); every one of a fixed-size run whose
     batch is per worker (trainer.batch_policy: per_worker, or your own loop, whose batches
     raytrainer does not know: its global batch, and its LR, would change; an elastic run
     said it may change); and all of them when none would survive (a checkpoint is the way back).
@@ -195,8 +197,7 @@ def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, r
     rest = tuple(r for r in lost if r not in spares)
     if not rest:
         return Replacing(spares=spares, reason="warm spares take every lost rank")
-    why_wait = ("sharded state: peer snapshots restore the same world size" if not replicated
-                else "failure.recovery is exact" if exact
+    why_wait = ("failure.recovery is exact" if exact
                 else "a fixed-size run whose global batch follows the world size (trainer.batch_policy "
                      "per_worker, or your own loop): a smaller world would train a smaller global batch"
                 if not (global_batch_fixed or elastic)

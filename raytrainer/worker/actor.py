@@ -26,7 +26,7 @@ from typing import Any
 from ..callbacks import Callbacks
 from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
-from ..contract import Holdings, Node, RunEnd, Snapshot, Status
+from ..contract import Holdings, Node, RunEnd, Reshard, Snapshot, Status
 from ..errors import ConfigError, PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 from .busy import busy_seconds
@@ -113,10 +113,11 @@ class Worker:
             return str(exc), None
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | str | Snapshot | None = None) -> tuple[int | None, int, bool]:
+              resume: bytes | str | Snapshot | Reshard | None = None) -> tuple[int | None, int, bool]:
         """Join the group, build the task, and load `resume` if given: a torch.save'd state
         (a state.pt checkpoint, or a survivor's state), the URI of a sharded checkpoint's
-        directory, or a peer snapshot (without data: this worker's own). A worker that
+        directory, a peer snapshot (without data: this worker's own), or every rank's
+        snapshots of another world size to re-shard from (reshard.py). A worker that
         trained in an earlier group starts over in this one. Returns (total steps, steps
         per epoch, whether the state is replicated)."""
         self._note_working()
@@ -132,6 +133,8 @@ class Worker:
         with _as_worker_error(self), self._forming_group():
             if isinstance(resume, Snapshot) and resume.data is None:
                 resume = self.snapshots.own_snapshot(resume.step)
+            elif isinstance(resume, Reshard):
+                resume = Reshard(resume.step, tuple(self._snapshot_part(part) for part in resume.parts))
             if not use_gpu:  # as Ray sets OMP_NUM_THREADS: a spare taking over was made with none
                 import torch
 
@@ -271,6 +274,21 @@ class Worker:
         in the object store)."""
         copy = self.snapshots.peer_snapshot(step)
         return copy.step, copy
+
+    def own_snapshot(self, step: int) -> tuple[int, Snapshot]:
+        """Its own snapshot of `step`, for the workers that re-shard from every rank's
+        (two return values, as peer_snapshot)."""
+        own = self.snapshots.own_snapshot(step)
+        return own.step, own
+
+    def _snapshot_part(self, part: Any) -> Snapshot:
+        """One rank's snapshot to re-shard from: this worker's own (no data), else fetched
+        from the object store (a nested reference Ray does not resolve by itself)."""
+        if isinstance(part, Snapshot) and part.data is None:
+            return self.snapshots.own_snapshot(part.step)
+        import ray
+
+        return ray.get(part)
 
     def regroup(self, rank: int, world_size: int, addr: str, port: int,
                 state: bytes | None = None) -> int:

@@ -47,7 +47,7 @@ from ..callbacks import Callbacks
 from .chaos import Chaos
 from ..checkpoint import Checkpoints, Committed
 from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TrainerConfig
-from ..contract import Snapshot
+from ..contract import Reshard, Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
 from ..errors import ConfigError, NonFiniteLoss, TaskError
@@ -107,7 +107,7 @@ class Outlets:
 
 class Loop:
     def __init__(self, task: Task, settings: LoopSettings, outlets: Outlets | None = None, *, rank: int,
-                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | None = None):
+                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | Reshard | None = None):
         cfg, outlets = settings.trainer, outlets or Outlets()
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -179,7 +179,7 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
                                      replicated=self.strategy.replicated, rank=rank, on_failure=self._save_failed)
-        sharded = isinstance(state, (str, Snapshot))
+        sharded = isinstance(state, (str, Snapshot, Reshard))
         if (state is not None) and sharded == self.strategy.replicated:
             written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
             raise ConfigError(f"the checkpoint to resume from is {written} but this run has trainer.strategy="
@@ -188,6 +188,10 @@ class Loop:
             state = self.strategy.read_checkpoint(state, self.state_dict())
         elif isinstance(state, Snapshot):  # a peer snapshot of this rank's shards
             state = restore(self.state_dict(), load(state))
+        elif isinstance(state, Reshard):  # every rank's snapshot, of another world size (parts with data)
+            from .reshard import reshard
+
+            state = reshard(self.state_dict(), [load(part) for part in state.parts])
         if state is not None:
             self.load_state_dict(state)
             # A run resumed from a checkpoint decides anew whether to stop (its max_steps
@@ -249,7 +253,10 @@ class Loop:
             self.train_step()
         self.flush(wait=True)
         if self.paused:  # for a resize: regroup(), then fit() again
-            if not self.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
+            if self.snapshots is not None and self.snapshots.every:  # re-sharded from memory (reshard.py)
+                self.snapshots.keep(self.step, self.state_dict())
+                self.saver.finish()  # an asynchronous save in flight runs on this group
+            elif not self.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
                 self.save_checkpoint()
                 self.saver.finish()
             return None

@@ -66,13 +66,28 @@ DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) after every 
 # ---------------------------------------------------------------------------- sharding
 
 
+_meshes_made = 0  # in this process: the generation of its newest mesh
+
+
 def default_mesh(device_type: str | None = None):
-    """A 1-D mesh over the default process group (collective on first use of a group)."""
+    """A 1-D mesh over the default process group (collective: every rank calls it).
+
+    Named by a generation every rank agrees on (one past the newest any of them made):
+    DeviceMesh equality is the ranks, the device type and the names, not the process
+    group, and torch hands a sharded parameter an equal mesh made earlier in the process
+    (measured, torch 2.13: a worker that was rank 1 of 4, then 0 of 2, then 0 of 4 again
+    got its first group's mesh back, with its coordinate 1): its shards' offsets were then
+    another rank's, and a checkpoint's plan failed. A survivor of a re-shard meets that."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    global _meshes_made
     if device_type is None:
         device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    generation = torch.tensor([_meshes_made + 1], dtype=torch.int64, device=device_type)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(generation, op=dist.ReduceOp.MAX)
+    _meshes_made = int(generation.item())
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(f"fsdp{_meshes_made}",))
 
 
 def shard_model(module: nn.Module, mesh=None, *, shard_classes: list[str] | None = None,

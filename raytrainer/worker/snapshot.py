@@ -45,7 +45,11 @@ class PeerSnapshots:
 
     def __init__(self, every_n_steps: int):
         self.every = every_n_steps
-        self.rank, self.world = 0, 1
+        self.rank, self.world = 0, 1  # in the group snapshots are taken in now
+        # The (rank, world size) of the group the kept snapshots were taken in: until the
+        # first exchange in a new group, they are those of the group before, which a
+        # recovery of a re-formed group that failed to form may still need.
+        self.layout = (0, 1)
         self.own: dict[int, bytes] = {}  # step -> this rank's state
         self.peer: dict[int, torch.Tensor] = {}  # step -> rank - 1's (bytes, as a uint8 tensor)
         self._group = None
@@ -102,6 +106,8 @@ class PeerSnapshots:
             with self._lock:
                 if gen != self._gen:
                     return
+                if self.layout != (self.rank, self.world):  # the old group's: another layout
+                    self.own, self.peer, self.layout = {}, {}, (self.rank, self.world)
                 if fresh:  # snapshots beyond this step came before a recovery to an earlier one
                     self.own = {s: d for s, d in self.own.items() if s < step}
                     self.peer = {s: d for s, d in self.peer.items() if s <= step}
@@ -119,6 +125,18 @@ class PeerSnapshots:
             if gen == self._gen:
                 self._error = exc
 
+    def keep(self, step: int, state: dict[str, Any]) -> None:
+        """Keep this rank's own snapshot of `step` now, on the calling thread, with no
+        exchange: the state a group paused for a grow is re-sharded from (reshard.py), every
+        rank alive to give its own."""
+        self.wait()
+        data = _serialise(to_cpu(state))
+        with self._lock:
+            if self.layout != (self.rank, self.world):
+                self.own, self.peer, self.layout = {}, {}, (self.rank, self.world)
+            self.own[step] = data
+        self._taken = step
+
     def close(self) -> None:
         """The run in this group is over (finished, or interrupted by a failure): an
         exchange under way no longer changes what is kept (its thread is a daemon; it ends
@@ -131,23 +149,23 @@ class PeerSnapshots:
 
     def holdings(self) -> Holdings:
         with self._lock:
-            return Holdings(self.rank, self.world, tuple(sorted(self.own)), tuple(sorted(self.peer)))
+            return Holdings(*self.layout, tuple(sorted(self.own)), tuple(sorted(self.peer)))
 
     def own_snapshot(self, step: int) -> Snapshot:
         with self._lock:
             data = self.own.get(step)
         if data is None:
-            raise KeyError(f"rank {self.rank} holds no snapshot of step {step}")
-        return Snapshot(step, self.rank, data)
+            raise KeyError(f"rank {self.layout[0]} holds no snapshot of step {step}")
+        return Snapshot(step, self.layout[0], data)
 
     def peer_snapshot(self, step: int) -> Snapshot:
         """The copy of rank - 1's snapshot of `step`, for that rank's replacement."""
         with self._lock:
             data = self.peer.get(step)
+            rank, world = self.layout
         if data is None:
-            raise KeyError(f"rank {self.rank} holds no copy of rank {(self.rank - 1) % self.world}'s snapshot "
-                           f"of step {step}")
-        return Snapshot(step, (self.rank - 1) % self.world, data.numpy().tobytes())
+            raise KeyError(f"rank {rank} holds no copy of rank {(rank - 1) % world}'s snapshot of step {step}")
+        return Snapshot(step, (rank - 1) % world, data.numpy().tobytes())
 
 
 def load(snapshot: Snapshot) -> dict[str, Any]:
@@ -257,6 +275,12 @@ def ranks_on_this_machine(group=None) -> int:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, else the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _serialise(host: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(host, buffer)
+    return buffer.getvalue()
 
 
 def _ring_exchange(data: bytes, rank: int, world: int, group) -> torch.Tensor:

@@ -22,7 +22,7 @@ import ray
 
 from ...checkpoint import CheckpointRef
 from ...config import Config
-from ...contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd, Status
+from ...contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Reshard, RunEnd, Snapshot, Status
 from ...errors import NoSurvivors, PlacementError
 from ..policy import choose_snapshot
 from ..storage_check import check_shared_storage
@@ -279,7 +279,8 @@ class RayWorkerGroup:
                         added=len(joiners),
                         resynced=[r for r in holders if holders[r].position != at.position])
 
-    def reform_from_peers(self, dead: list[int]) -> Reformed:
+    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
+                          leave: list[int] = ()) -> Reformed:
         """Sharded state: replace the `dead` ranks (the same slots, so the same world size)
         and form the group again from the newest peer snapshot left of every rank's state
         (policy.choose_snapshot): survivors load their own, each replacement the copy its
@@ -287,7 +288,78 @@ class RayWorkerGroup:
         worker builds its training state anew in the new group (a sharded model is bound to
         the group it was sharded over); the run replays the steps since the snapshot.
         Raises NoSurvivors when no snapshot serves or a replacement cannot be placed (a
-        checkpoint is the way back then), and ReformFailed when a worker is lost meanwhile."""
+        checkpoint is the way back then), and ReformFailed when a worker is lost meanwhile.
+
+        The world size changes where ranks in `regrow` are dropped at once (a fast recovery:
+        their replacements start once the group has formed and join at a later grow), where
+        `grow` adds the workers ready to join, or where a `leave` rank (alive, on a
+        draining node) has no replacement up: then every rank's snapshot is secured in the
+        object store and each worker of the new group re-shards from all of them
+        (worker/reshard.py)."""
+        roster = self.roster
+        world = len(roster.actors)
+        leave = [r for r in leave if r not in dead]
+        others = [r for r in range(world) if r not in dead]
+        regrow = [r for r in regrow if r in dead] if others else []
+        kept = self.forming.resharding  # every rank's snapshot, secured by an earlier attempt
+        if not (regrow or grow or leave or kept):
+            return self._same_size_from_peers(dead)
+        asked = self._replace(dead, regrow)
+        try:
+            if kept is not None:
+                step, parts, peers = kept[0], kept[1], {}
+            else:
+                held = self.forming.answers(others, "snapshots_held")
+                secured = {rank: step for rank, (step, _) in self.forming.copies.items()}
+                step, why = choose_snapshot(world, dead, held, secured)
+                if step is None:
+                    raise NoSurvivors(f"no peer snapshot serves: {why}")
+                parts, peers = self.forming.secure_all(step, world, others, held)
+        except ReformFailed as exc:  # before the ranks are renumbered: those left behind are gone too
+            raise ReformFailed(exc.failures, sorted(set(exc.dead) | set(regrow)), world) from None
+        moved: dict[int, Node] = {}
+        for rank in leave:  # its snapshot is secured: it goes, for its replacement if up
+            self.kill(rank)
+            node = self.moves.take(roster, rank) if rank in self.moves else None
+            if node is not None:
+                moved[rank] = node
+        waited = [r for r in dead if r not in regrow]
+        placed = self.slots.wait_placed(roster, waited, len(others) - len(leave) + len(moved), asked)
+        for rank in dead:
+            if rank not in placed:
+                ray.kill(roster.actors[rank], no_restart=True)
+        missing = [r for r in waited if r not in placed]
+        if missing:
+            raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
+                              f"scaling.replace_timeout_s={self.config.scaling.replace_timeout_s:g}")
+        joiners = self.slots.ready_joiners(take=True) if grow else []
+        placed.update(moved)
+        keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
+        self.moves.cancel_all()
+        if leave:
+            self.spares.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
+        # A worker that stays in its own process loads its own snapshot from memory.
+        own = {r for r in keep if r not in placed and kept is None}
+        loads = [Reshard(step, tuple(Snapshot(step, r) if r == old and r in own else parts[r]
+                                     for r in range(len(parts))))
+                 for old in keep + [None] * len(joiners)]
+        roster.actors = [roster.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
+        roster.slots = [roster.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
+        roster.nodes = [placed.get(r) or roster.nodes[r] for r in keep] + [node for _, _, node in joiners]
+        # Until the group has formed, any attempt can re-shard from these, whoever is left.
+        self.forming.resharding = (step, parts)
+        try:
+            self.forming.form({rank: (None, load) for rank, load in enumerate(loads)}, self.use_gpu)
+        except ReformFailed as exc:
+            raise ReformFailed(exc.failures, exc.dead, len(roster.actors)) from None
+        self.forming.clear()
+        self._restock()
+        return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
+                        replaced=sorted(r for r in placed if r in dead),
+                        dropped=[r for r in dead + leave if r not in placed], moved=sorted(moved),
+                        added=len(joiners), snapshot_step=step, peers=peers)
+
+    def _same_size_from_peers(self, dead: list[int]) -> Reformed:
         roster = self.roster
         world = len(roster.actors)
         lost = dead + self._starting_ranks(dead)  # a replacement not up yet holds nothing either

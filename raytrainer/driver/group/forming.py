@@ -43,9 +43,12 @@ class Forming:
         # The same for sharded state: rank -> (step, its peer snapshot's reference), for the
         # lost ranks whose copy was taken from its holder.
         self.copies: dict[int, tuple[int, Any]] = {}
+        # For a re-shard (a change of world size): the step and every rank's snapshot of it,
+        # by the rank it had, once all are secured; any later attempt re-shards from them.
+        self.resharding: tuple[int, tuple[Any, ...]] | None = None
 
     def clear(self) -> None:
-        self.secured, self.copies = None, {}
+        self.secured, self.copies, self.resharding = None, {}, None
 
     def answers(self, ranks: list[int], method: str) -> dict[int, Any]:
         """A control call on each of `ranks`, which must all answer: one that does not is
@@ -123,6 +126,36 @@ class Forming:
                 self.kill(holder)
             raise ReformFailed(failures, failed)
         return loads, peers
+
+    def secure_all(self, step: int, world: int, others: list[int],
+                   held: dict[int, Holdings]) -> tuple[tuple[Any, ...], dict[int, int]]:
+        """Every rank's snapshot of `step` in the object store, for a re-shard: a survivor's
+        own, else a copy secured earlier, else the copy its successor in the ring holds.
+        Returns (the references by rank, lost rank -> the holder of the copy taken)."""
+        parts: dict[int, Any] = {}
+        peers: dict[int, int] = {}
+        fetch: dict[Any, tuple[int, int]] = {}  # a giver's answer -> (whose snapshot, the giver)
+        for rank in range(world):
+            if rank in self.copies and self.copies[rank][0] == step:
+                parts[rank] = self.copies[rank][1]
+                continue
+            if rank in others and step in held[rank].own:
+                giver, call = rank, "own_snapshot"
+            else:
+                giver = peers[rank] = (rank + 1) % world
+                call = "peer_snapshot"
+            ok, parts[rank] = getattr(self.roster.actors[giver], call).options(num_returns=2).remote(step)
+            fetch[ok] = (rank, giver)
+        _, failures, _ = self.wait_answering({ok: giver for ok, (_, giver) in fetch.items()}, grace_s=0.0)
+        failed = sorted({f.rank for f in failures})
+        for rank, giver in fetch.values():
+            if giver not in failed:
+                self.copies[rank] = (step, parts[rank])
+        if failures:
+            for giver in failed:
+                self.kill(giver)
+            raise ReformFailed(failures, failed)
+        return tuple(parts[r] for r in range(world)), peers
 
     def form(self, calls: dict[int, tuple[bool | None, Any]], use_gpu: bool) -> dict[int, Any]:
         """Form the group over all the roster's actors: per rank (None: build the task with

@@ -1,0 +1,82 @@
+"""Re-sharding FSDP state from peer snapshots onto another world size (worker/reshard.py),
+on local Gloo processes (no Ray; the same through Ray with kills from outside is
+test_fsdp's): 4 ranks snapshot, 2 or 3 go on from every rank's snapshot, and the run ends
+within float tolerance of an undisturbed one (the same global batch and sample order; only
+the order of the sums over ranks differs)."""
+
+import pytest
+import torch
+
+from raytrainer.config import TrainerConfig
+from raytrainer.contract import Reshard
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.reshard import reshard
+from raytrainer.worker.snapshot import PeerSnapshots
+
+from .dist_procs import run_ranks
+from .tasks import RegressionTask
+
+# Clipping and EMA: their state (the EMA's shadow shards) is re-sharded too. hidden=18
+# gives uneven pieces (5, 5, 5, 3 over 4 ranks; the last layer's one row to rank 0 only).
+CFG = {"global_batch_size": 24, "micro_batch_size": 2, "grad_clip_norm": 0.5, "ema_decay": 0.9,
+       "val_every_n_steps": 3, "strategy": "fsdp"}
+
+
+def _loop(rank, world, steps, snapshots=None, state=None):
+    cfg = TrainerConfig(max_steps=steps, **CFG)
+    return Loop(RegressionTask(hidden=18), LoopSettings(trainer=cfg), Outlets(snapshots=snapshots), rank=rank,
+                world_size=world, device=torch.device("cpu"), state=state)
+
+
+def _straight(rank, world, steps):
+    return _loop(rank, world, steps).fit()
+
+
+def _snapshotted(rank, world, stop_at):
+    """Train to `stop_at` with snapshots every 2 steps; this rank's own newest snapshot."""
+    snapshots = PeerSnapshots(every_n_steps=2)
+    _loop(rank, world, stop_at, snapshots).fit()
+    snapshots.wait()
+    return snapshots.own_snapshot(max(snapshots.holdings().own))
+
+
+def _resharded(rank, world, parts, steps):
+    snapshots = PeerSnapshots(every_n_steps=2)
+    loop = _loop(rank, world, steps, snapshots, state=Reshard(parts[0].step, tuple(parts)))
+    start = loop.step
+    weights = loop.fit()
+    snapshots.wait()
+    return start, snapshots.holdings(), weights
+
+
+@pytest.mark.parametrize("world", [2])
+def test_four_ranks_snapshots_go_on_at_a_smaller_world_size_within_float_tolerance(world):
+    parts = run_ranks(_snapshotted, 4, 5)
+    assert [p.rank for p in parts] == [0, 1, 2, 3] and {p.step for p in parts} == {4}
+    ranks = run_ranks(_resharded, world, parts, 9)
+    straight = run_ranks(_straight, 4, 9)[0]
+    for rank, (start, holdings, _) in enumerate(ranks):
+        assert start == 4
+        # The new group snapshots at once (its first step boundary) and every 2 steps after:
+        # no shard is left with a single copy longer than an exchange.
+        assert (holdings.rank, holdings.world_size) == (rank, world) and holdings.own == (8,)
+    resumed = ranks[0][2]
+    assert resumed.keys() == straight.keys()
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_grow_reshards_two_ranks_snapshots_onto_four():
+    parts = run_ranks(_snapshotted, 2, 5)
+    ranks = run_ranks(_resharded, 4, parts, 9)
+    straight = run_ranks(_straight, 2, 9)[0]
+    for k in straight:
+        torch.testing.assert_close(ranks[0][2][k], straight[k], rtol=1e-5, atol=1e-6)
+
+
+def test_snapshots_that_do_not_fit_the_state_are_refused_with_the_key():
+    template = {"model": {"w": torch.zeros(3)}, "loop": {"step": 0}}
+    with pytest.raises(ValueError, match=r"state.model.*rank 1's snapshot"):
+        reshard(template, [{"model": {"w": torch.ones(3)}, "loop": {"step": 4}}, {"model": {}, "loop": {}}])
+    filled = reshard(template, [{"model": {"w": torch.ones(3)}, "loop": {"step": 4}}] * 2)
+    assert filled["loop"] == {"step": 4} and torch.equal(template["model"]["w"], torch.ones(3))
