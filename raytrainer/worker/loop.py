@@ -45,7 +45,7 @@ import torch
 from ..callbacks import Callbacks
 from .chaos import Chaos
 from ..checkpoint import Checkpoints, Committed
-from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TrainerConfig
+from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ..contract import Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
@@ -58,6 +58,7 @@ from .state import TrainState
 from .stopping import EarlyStopping
 from .strategy import build_strategy
 from ..task import Task
+from .validation import AsyncValidation
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
@@ -81,12 +82,15 @@ class LoopSettings:
     min_world_size: int | None = None
     """scaling.min_workers: below it (while a lost worker's replacement starts) a worker's
     micro-batch stays what it is at min_workers, and it accumulates more of them."""
+    task: TaskConfig | None = None
+    """How validation actors build the task (trainer.validation.async); None: sync only."""
 
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
         return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
                    chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
-                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.min_workers)
+                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.min_workers,
+                   task=config.task)
 
 
 @dataclass(kw_only=True)
@@ -176,6 +180,7 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
                                      replicated=self.strategy.replicated, rank=rank)
+        self.validation = AsyncValidation.build(self, cfg, settings.task, most)  # None: in this loop
         sharded = isinstance(state, (str, Snapshot))
         if (state is not None) and sharded == self.strategy.replicated:
             written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
@@ -243,6 +248,8 @@ class Loop:
             if self.position == 0:
                 self.callbacks("on_epoch_start", self)
             self.train_step()
+        if self.validation is not None and not self.paused:
+            self.validation.finish()
         self.flush(wait=True)
         if self.paused:  # for a resize: regroup(), then fit() again
             if not self.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
@@ -265,6 +272,8 @@ class Loop:
     def _after_step(self) -> None:
         """Validation, logging, epoch end and checkpoint after step `self.step`. The epoch
         moves on last: until then the work is pending, and redone the same way on resume."""
+        if self.validation is not None:
+            self.validation.after_step()
         epoch_end = not self.plan.fits(self.position)
         closes = epoch_end or (self.max_steps is not None and self.step >= self.max_steps)
         every = self.cfg.val_every_n_steps
@@ -363,6 +372,8 @@ class Loop:
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
+        if self.validation is not None and self.validation.takes(epoch):
+            return None  # asked of the validation actors; training goes on
         self.flush(wait=True)
         if self.val_data is None:
             return None
@@ -428,6 +439,7 @@ class Loop:
                      "skipped_steps": self.skipped_steps, "best": self.stopping.best,
                      "bad_validations": self.stopping.bad_validations, "after_pending": self._after_pending,
                      "stop_reason": self.stop_reason,
+                     "val_pending": self.validation.state() if self.validation is not None else [],
                      "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
         }
 
@@ -454,17 +466,24 @@ class Loop:
         self.stopping.best, self.stopping.bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
         self.saver.saved_step = self.step
+        if self.validation is not None:
+            self.validation.load(saved.get("val_pending"), self.step)
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
     def save_checkpoint(self) -> None:
-        self.saver.save(self.step, self.state_dict, self.latest_metrics)
+        metrics = self.latest_metrics
+        if self.validation is not None:
+            metrics = self.validation.manifest_metrics(metrics)
+        self.saver.save(self.step, self.state_dict, metrics)
 
     def _committed(self, ckpt: Committed, path: str) -> None:
         self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,
                      "bytes": sum(f["size"] for f in ckpt.manifest["files"].values()),
                      # how long the save held the training thread (async: the copy of the state)
                      "blocked_s": round(self.saver.blocked_s.pop(ckpt.step, 0.0), 4)})
+        if self.validation is not None:
+            self.validation.committed(ckpt)
         self.callbacks("on_checkpoint", self, path)
 
     # ------------------------------------------------------------------ recovery
@@ -494,6 +513,8 @@ class Loop:
     def close_inputs(self) -> None:
         """Stop the loader processes (they also die with this process)."""
         self.train_input.close()
+        if self.validation is not None:
+            self.validation.close()
         if self.val_input is not None:
             self.val_input.close()
 
