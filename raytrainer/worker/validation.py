@@ -181,6 +181,8 @@ class AsyncValidation:
         if loop.val_data is not None and len(loop.val_data) < n:
             raise ConfigError(f"the validation dataset has {len(loop.val_data)} samples, fewer than "
                               f"trainer.validation.num_workers={n}; lower it")
+        if loop.rank == 0:  # now: they start (a process, torch, the task) while training does
+            self._start()
 
     @classmethod
     def build(cls, loop: Loop, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int) -> AsyncValidation | None:
