@@ -130,3 +130,38 @@ def test_early_stopping_on_async_validation_stops_every_rank(ray_local, tmp_path
     val = val_rows(result.run_dir)
     assert finished["step"] in val  # the last weights validated
     assert len(val) >= 3
+
+
+# --------------------------------------------------------------------------- your own loop
+
+def loop_with_validation(ctx, steps=9):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    wrapped = ctx.prepare_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(ctx.step + 1, steps + 1):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step * 10 + ctx.rank))
+        loss = wrapped(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report({"loss": loss.item(), "step": step, "wsum": float(model.weight.detach().sum())},
+                   state={"model": model, "step": step}, validate=check_state if step % 3 == 0 else None)
+
+
+def check_state(state):
+    return {"seen_step": state["step"], "wsum": float(state["model"]["weight"].sum())}
+
+
+def test_your_loop_asks_for_validations_of_reported_state(ray_local, tmp_path):
+    result = raytrainer.train_loop(loop_with_validation, {
+        "trainer": {"max_steps": 9}, "scaling": {"num_workers": 2}, "loggers": [],
+        "run": {"name": "loop", "storage": str(tmp_path)}}, progress=False)
+    rows = read(result.run_dir / "metrics.jsonl")
+    train = {r["step"]: r for r in rows if "loss" in r}
+    val = {r["step"]: r for r in rows if "val_wsum" in r}
+    assert sorted(val) == [3, 6, 9]
+    for step, row in val.items():  # the state of that step, not a later one
+        assert row["val_seen_step"] == step and row["val_wsum"] == train[step]["wsum"]

@@ -440,3 +440,60 @@ class AsyncValidation:
                 es = loop.cfg.early_stopping
                 loop.stop_reason = (f"early_stopping: {es.metric} did not improve on {stopping.best:.6g} "
                                     f"for {es.patience} validations")
+
+
+# --------------------------------------------------------------------------- your own loop
+
+
+def _run_user_validation(fn: Any, state: dict[str, Any]) -> dict[str, float]:
+    """A Ray task: `fn(state)`, the user's validation of a reported state."""
+    return fn(state)
+
+
+class ReportValidations:
+    """`ctx.report(..., state=..., validate=fn)` in your own loop (userloop.py): rank 0
+    runs `fn(state)` in a Ray task on a copy of the reported state (the one the report
+    holds for recovery: no other copy on the training thread) and training goes on; the
+    metrics it returns arrive as that step's val_* row. Ray retries a task whose process
+    died (RETRIES times); what `fn` raises fails the run, as the loop's own code would.
+    Every one pending is waited for when the loop function returns."""
+
+    def __init__(self, cfg: Any, rows: Any, notify: Any):
+        self.cfg, self._rows, self.notify = cfg, rows, notify
+        self.pending: deque[tuple[int, int, int, Any, float]] = deque()  # step, epoch, world size, ref, asked at
+
+    def submit(self, step: int, epoch: int, world_size: int, state: dict[str, Any], fn: Any) -> None:
+        import ray
+
+        resources = dict(self.cfg.resources or {"CPU": 0})  # a task: its CPU back when done
+        cpus, gpus = resources.pop("CPU", 0.0), resources.pop("GPU", 0.0)
+        remote = ray.remote(_run_user_validation).options(num_cpus=cpus, num_gpus=gpus, resources=resources or None,
+                                                          max_retries=RETRIES)
+        self.pending.append((step, epoch, world_size, remote.remote(fn, ray.put(state)), time.time()))
+        self.take(wait=False)
+
+    def take(self, wait: bool) -> None:
+        import ray
+        from ray.exceptions import RayTaskError
+
+        while self.pending:
+            step, epoch, world_size, ref, asked = self.pending[0]
+            ready, _ = ray.wait([ref], timeout=None if wait else 0)
+            if not ready:
+                return
+            self.pending.popleft()
+            try:
+                metrics = ray.get(ref)
+            except RayTaskError as exc:
+                raise TaskError(f"the validate function of ctx.report at step {step} raised: {exc}") from None
+            except Exception as exc:  # lost past its retries: dropped, never the run
+                warnings.warn(f"the validation of step {step} was dropped: {exc}", RuntimeWarning, stacklevel=2)
+                self.notify({"event": "validation_failed", "step": step, "cause": str(exc)})
+                continue
+            if not isinstance(metrics, dict):
+                raise TaskError(f"the validate function of ctx.report returned {type(metrics).__name__}; "
+                                "return a dict of metrics")
+            row = {"step": step, "epoch": epoch, "world_size": world_size, "time": time.time()}
+            row.update({(k if k.startswith("val_") else f"val_{k}"): float(v) for k, v in metrics.items()})
+            self._rows([row])
+            self.notify({"event": "validated", "step": step, "seconds": round(time.time() - asked, 3)})
