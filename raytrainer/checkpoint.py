@@ -263,11 +263,13 @@ class Checkpoints:
     def rescore(self, step: int, metrics: dict[str, float]) -> bool:
         """The validation of checkpoint `step` arrived after its commit: its manifest's
         metrics take it (and lose VALIDATION_PENDING), then retention ranks it. False if
-        the checkpoint is not (or no longer) there."""
+        the checkpoint is not (or no longer) there, or was not waiting for it."""
         rel = f"{self.prefix}/{checkpoint_name(step)}/{MARKER}"
         if not self.storage.exists(rel):
             return False
         manifest = json.loads(self.storage.read(rel))
+        if not manifest.get("metrics", {}).get(VALIDATION_PENDING):
+            return False  # ranked already (by its own validation, or a sync one)
         kept = {k: v for k, v in manifest.get("metrics", {}).items() if k != VALIDATION_PENDING}
         manifest["metrics"] = {**kept, **metrics}
         self.storage.write_atomic(rel, json.dumps(manifest).encode())

@@ -53,6 +53,23 @@ def test_val_every_n_steps_is_validation_every_n_steps():
         load_config({**base, "trainer": {"max_steps": 3, "validation": {"num_workers": 0}}})
 
 
+def test_a_checkpoint_waiting_for_its_validation_is_kept_then_ranked(tmp_path):
+    from raytrainer.checkpoint import VALIDATION_PENDING, Checkpoints, Storage
+    from raytrainer.config import CheckpointConfig, KeepBestConfig
+
+    ckpts = Checkpoints(Storage(str(tmp_path)), "r", CheckpointConfig(
+        keep_last=1, keep_best=KeepBestConfig(metric="val_loss", k=1)))
+    ckpts.write(2, {"w": 2}, {"val_loss": 0.5})
+    ckpts.write(4, {"w": 4}, {VALIDATION_PENDING: 1})  # its validation on its way
+    ckpts.write(6, {"w": 6}, {"val_loss": 0.9})
+    assert [c.step for c in ckpts.committed()] == [2, 4, 6]  # 4 waits for its validation
+    assert ckpts.rescore(4, {"val_loss": 0.1})
+    assert [c.step for c in ckpts.committed()] == [4, 6]  # the best now, 2 dropped
+    assert ckpts.committed()[0].manifest["metrics"] == {"val_loss": 0.1}
+    assert not ckpts.rescore(4, {"val_loss": 7.0})  # ranked once only
+    assert not ckpts.rescore(3, {"val_loss": 0.0})  # no such checkpoint
+
+
 def test_async_metrics_equal_sync_and_the_last_step_is_validated(ray_local, tmp_path):
     """The same run validated in the loop and on 2 validation actors (EMA weights): every
     validation's metrics bit-identical, at the same steps; the last step (7, not a multiple

@@ -439,7 +439,6 @@ class Loop:
                      "skipped_steps": self.skipped_steps, "best": self.stopping.best,
                      "bad_validations": self.stopping.bad_validations, "after_pending": self._after_pending,
                      "stop_reason": self.stop_reason,
-                     "val_pending": self.validation.state() if self.validation is not None else [],
                      "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
         }
 
@@ -466,8 +465,6 @@ class Loop:
         self.stopping.best, self.stopping.bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
         self.saver.saved_step = self.step
-        if self.validation is not None:
-            self.validation.load(saved.get("val_pending"), self.step)
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 

@@ -169,12 +169,10 @@ class AsyncValidation:
         self.actors: list[Any] = []
         self._pids: Any = None  # the actors' pid() refs, until told (the validation_workers event)
         self.validated_step = -1  # the newest step whose validation was asked for or run
-        self.resubmit: int | None = None  # a resumed step whose validation had not arrived
         # keep_best: a checkpoint written while its step's validation was on its way is
         # ranked when both are there (the commit may come on the writer's thread).
         self._lock = threading.Lock()
         self._written: set[int] = set()  # steps saved with VALIDATION_PENDING, not committed yet
-        self._committed: set[int] = set()  # ... committed, their validation not in
         self._scores: dict[int, dict[str, float]] = {}  # validations in, their checkpoint not committed
         self.final = False
         n = self.cfg.num_workers
@@ -214,9 +212,6 @@ class AsyncValidation:
         where early stopping says so, on every rank at this same step."""
         loop = self.loop
         if loop.rank == 0:
-            if self.resubmit is not None:
-                step, self.resubmit = self.resubmit, None
-                self._submit(step, loop.epoch)
             self._take(wait=False)
         if loop.cfg.early_stopping is not None:
             self._agree()
@@ -251,19 +246,8 @@ class AsyncValidation:
         with self._lock:
             self._written.discard(ckpt.step)
             scores = self._scores.pop(ckpt.step, None)
-            if scores is None:
-                self._committed.add(ckpt.step)
         if scores is not None:
             self._rescore(ckpt.step, scores)
-
-    def state(self) -> list[int]:
-        """Steps whose validation was asked for and has not arrived (for a resume)."""
-        return [p.step for p in self.pending]
-
-    def load(self, pending: list[int] | None, step: int) -> None:
-        if pending and step in pending:
-            self.resubmit = step
-            self.validated_step = step
 
     def close(self) -> None:
         import ray
@@ -398,12 +382,12 @@ class AsyncValidation:
             if step in self._written:  # being written: ranked once committed
                 self._scores[step] = metrics
                 return
-            if step not in self._committed:
-                return
-            self._committed.discard(step)
         self._rescore(step, metrics)
 
     def _rescore(self, step: int, metrics: dict[str, float]) -> None:
+        """A committed checkpoint of `step` still waiting for its validation takes it: one
+        written by this loop, or (a resume from it redoes its step's validation) by the run
+        that was stopped before the validation arrived."""
         checkpoints = self.loop.saver.checkpoints
         if checkpoints is not None:
             checkpoints.rescore(step, metrics)
