@@ -14,6 +14,7 @@ from raytrainer.errors import ConfigError
 
 from .conftest import assert_no_leaks
 from .faults import Run
+from .tasks import RegressionTask
 
 
 def config(tmp_path, name, **sections):
@@ -110,9 +111,27 @@ def test_keep_best_ranks_checkpoints_when_their_validation_arrives(ray_local, tm
     assert set(manifests) == {best, 12}
 
 
+class GatedValidation(RegressionTask):
+    """Its val_step waits while the file `gate` exists, in validation actors only (no
+    process group there): a validation is under way when the test kills its actor."""
+
+    def __init__(self, gate=None, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+
+    def val_step(self, model, batch):
+        import torch.distributed as dist
+
+        while self.gate and os.path.exists(self.gate) and not dist.is_initialized():
+            time.sleep(0.05)
+        return super().val_step(model, batch)
+
+
 def test_a_validation_actor_killed_is_retried_and_the_run_succeeds(ray_local, tmp_path):
-    cfg = config(tmp_path, "kill", trainer={"max_steps": 120, "validation": {"every_n_steps": 8, "async": True}},
-                 task={"args": {"sleep_s": 0.1, "num_samples": 4096}})
+    gate = tmp_path / "gate"
+    gate.touch()
+    cfg = config(tmp_path, "kill", trainer={"max_steps": 40, "validation": {"every_n_steps": 8, "async": True}},
+                 task={"target": "tests.test_validation:GatedValidation", "args": {"gate": str(gate)}})
     run = Run(cfg)
     pids = None
     deadline = time.monotonic() + 240
@@ -123,14 +142,15 @@ def test_a_validation_actor_killed_is_retried_and_the_run_succeeds(ray_local, tm
         except FileNotFoundError:
             pass
     assert pids, "no validation_workers event"
-    os.kill(pids[0], signal.SIGKILL)
-    killed_at = max(e["step"] for e in run.events())
+    os.kill(pids[0], signal.SIGKILL)  # in the validation of step 8, held at the gate
+    time.sleep(1.0)
+    gate.unlink()
     result = run.result()
     assert result.events[-1]["event"] == "finished"
     val = val_rows(result.run_dir)
-    assert sorted(val) == list(range(8, 121, 8))  # none lost, the last (120) waited for
+    assert sorted(val) == [8, 16, 24, 32, 40]  # none lost, the last waited for
+    assert [e["step"] for e in result.events if e["event"] == "validated"] == [8, 16, 24, 32]
     assert not [e for e in result.events if e["event"] in ("validation_failed", "worker_failed")]
-    assert [e for e in result.events if e["event"] == "validated" and e["step"] > killed_at]
     assert_no_leaks()
 
 

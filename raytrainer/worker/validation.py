@@ -343,6 +343,7 @@ class AsyncValidation:
             if not wait:
                 return len(p.results) == len(p.shards)
             loop.progress += 1  # waiting on validation actors is progress, not a hang
+            self._tell_pids()
 
     def _replace(self, i: int) -> None:
         """Validation actor i is lost past its restarts: a new one in its place (the
