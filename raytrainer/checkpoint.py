@@ -47,6 +47,9 @@ from .errors import StorageError
 log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
+VALIDATION_PENDING = "validation_pending"
+"""A manifest metric: the checkpoint's validation runs asynchronously and has not arrived;
+retention keeps it until it does (Checkpoints.rescore)."""
 STATE = "state.pt"
 
 
@@ -319,6 +322,22 @@ class Checkpoints:
             log.warning("retention could not delete old checkpoints of %s: %s", self.prefix, exc)
         return Committed(step, name, manifest)
 
+    def rescore(self, step: int, metrics: dict[str, float]) -> bool:
+        """The validation of checkpoint `step` arrived after its commit: its manifest's
+        metrics take it (and lose VALIDATION_PENDING), then retention ranks it. False if
+        the checkpoint is not (or no longer) there, or was not waiting for it."""
+        rel = f"{self.prefix}/{checkpoint_name(step)}/{MARKER}"
+        if not self.storage.exists(rel):
+            return False
+        manifest = json.loads(self.storage.read(rel))
+        if not manifest.get("metrics", {}).get(VALIDATION_PENDING):
+            return False  # ranked already (by its own validation, or a sync one)
+        kept = {k: v for k, v in manifest.get("metrics", {}).items() if k != VALIDATION_PENDING}
+        manifest["metrics"] = {**kept, **metrics}
+        self.storage.write_atomic(rel, json.dumps(manifest).encode())
+        self.prune()
+        return True
+
     def prune(self) -> list[str]:
         """Keep the newest keep_last and the best keep_best.k; never the newest one."""
         ckpts = self.committed()
@@ -328,6 +347,8 @@ class Checkpoints:
             scored = [c for c in ckpts if best.metric in c.manifest.get("metrics", {})]
             scored.sort(key=lambda c: c.manifest["metrics"][best.metric], reverse=best.mode == "max")
             keep |= {c.name for c in scored[: best.k]}
+            # Its validation is on its way (trainer.validation.async): ranked when it arrives.
+            keep |= {c.name for c in ckpts if c.manifest.get("metrics", {}).get(VALIDATION_PENDING)}
         deleted = [c.name for c in ckpts if c.name not in keep]
         for name in deleted:
             # The marker goes first: a half-deleted checkpoint must not look committed.

@@ -143,6 +143,35 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
+class ValidationConfig:
+    """trainer.validation: when validation runs, and where (see worker/validation.py)."""
+
+    every_n_steps: int | None = None
+    """Validate every N optimizer steps (besides at every epoch end and the run's end);
+    None: epoch ends only. trainer.val_every_n_steps is the same setting."""
+    async_: bool = field(default=False, metadata={"key": "async"})
+    """`async: true`: rank 0 hands the weights of the step (EMA weights where EMA is on) to
+    validation actors through Ray's object store and training goes on at once; their val_*
+    row joins the step it belongs to. The run's last validation is always waited for.
+    FSDP runs validate synchronously (a note says so)."""
+    num_workers: int = 1
+    """Validation actors of an async validation; the validation set is sharded over them
+    (with as many as the training workers, the metrics are bit-identical to a sync one)."""
+    resources: dict[str, float] | None = None
+    """Ray resources of each validation actor, e.g. {CPU: 2} or {GPU: 1}; default {CPU: 1}
+    where the cluster has that free at the start, else {CPU: 0} (it shares the workers' CPUs)."""
+
+    def __post_init__(self):
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ConfigError(f"trainer.validation.every_n_steps={self.every_n_steps} must be a positive integer")
+        if self.num_workers < 1:
+            raise ConfigError(f"trainer.validation.num_workers={self.num_workers} must be >= 1")
+        for name, amount in (self.resources or {}).items():
+            if amount < 0:
+                raise ConfigError(f"trainer.validation.resources.{name}={amount} must be >= 0")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     max_epochs: int | None = None
     max_steps: int | None = None
@@ -164,7 +193,9 @@ class TrainerConfig:
     size does not divide the batch, some ranks take one sample more (see data.py)."""
     seed: int = 0
     val_every_n_steps: int | None = None
-    """Validate every N optimizer steps (besides at every epoch end); None: epoch ends only."""
+    """Validate every N optimizer steps (besides at every epoch end); None: epoch ends only.
+    The same setting as validation.every_n_steps (kept: configs and tools name it)."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     log_every_n_steps: int = 1
     """How often ranks reduce their buffered per-step metrics and ship them to the driver.
     Every step still gets its own row; larger values mean fewer collectives."""
@@ -208,6 +239,7 @@ class TrainerConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"trainer.{key}={value} must be a positive integer")
+        self._join_val_every()
         for key in ("fast_dev_run", "overfit_batches", "nonfinite_max_skips"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be >= 0 (0 turns it off)")
@@ -226,6 +258,16 @@ class TrainerConfig:
         elif self.fsdp is not None:
             raise ConfigError("trainer.fsdp is set but trainer.strategy is ddp; set strategy: fsdp, "
                               "or remove the fsdp section")
+
+    def _join_val_every(self) -> None:
+        """val_every_n_steps and validation.every_n_steps are one setting under two names:
+        either may be given (YAML written before trainer.validation keeps loading, and the
+        resolved config holds both); two different values are an error."""
+        old, new = self.val_every_n_steps, self.validation.every_n_steps
+        if old is not None and new is not None and old != new:
+            raise ConfigError(f"trainer.val_every_n_steps={old} and trainer.validation.every_n_steps={new} "
+                              "are the same setting; keep one of them")
+        self.val_every_n_steps = self.validation.every_n_steps = old if old is not None else new
 
 
 @dataclass(kw_only=True)
@@ -739,6 +781,7 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dic
     """Apply `section.key=value` strings (values parsed as YAML) to a raw config dict."""
     overrides = list(overrides)
     _num_workers_sets_the_size(raw, overrides)
+    _one_val_every(raw, overrides)
     for item in overrides:
         path, sep, text = item.partition("=")
         if not sep or not path.strip():
@@ -756,6 +799,20 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dic
             node = child
         node[parts[-1]] = value
     return raw
+
+
+def _one_val_every(raw: dict[str, Any], overrides: list[str]) -> None:
+    """A run's config.yaml holds trainer.val_every_n_steps and trainer.validation.every_n_steps
+    alike (one setting, two names): `--set` of either replaces both."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    trainer = raw.get("trainer")
+    if not isinstance(trainer, dict):
+        return
+    validation = trainer.get("validation")
+    if "trainer.val_every_n_steps" in keys and isinstance(validation, dict):
+        validation.pop("every_n_steps", None)
+    if "trainer.validation.every_n_steps" in keys:
+        trainer.pop("val_every_n_steps", None)
 
 
 def _num_workers_sets_the_size(raw: dict[str, Any], overrides: list[str]) -> None:

@@ -697,11 +697,12 @@ class Controller:
         self.step = max(self.step, rows[-1]["step"])
         self.hub.write(rows)
         for row in rows:  # driver-side callbacks see the same boundaries, from the rows
-            if row["epoch"] != self.ctx.epoch:
+            late = _is_val(row) and row["step"] < self._train_step  # an async validation's
+            if row["epoch"] != self.ctx.epoch and not late:
                 self.callbacks("on_epoch_end", self.ctx)
                 self.ctx.epoch = row["epoch"]
                 self.callbacks("on_epoch_start", self.ctx)
-            self.ctx.step = row["step"]
+            self.ctx.step = max(self.ctx.step, row["step"]) if late else row["step"]
             self.ctx.metrics.update(row)
             self.callbacks("on_metrics", self.ctx, row)
             val = {k: v for k, v in row.items() if k.startswith("val_")}

@@ -46,7 +46,7 @@ import torch
 from ..callbacks import Callbacks
 from .chaos import Chaos
 from ..checkpoint import Checkpoints, Committed
-from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TrainerConfig
+from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ..contract import Reshard, Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
@@ -59,6 +59,7 @@ from .state import TrainState
 from .stopping import EarlyStopping
 from .strategy import build_strategy
 from ..task import Task
+from .validation import AsyncValidation
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
@@ -82,12 +83,15 @@ class LoopSettings:
     min_world_size: int | None = None
     """scaling.min_workers: below it (while a lost worker's replacement starts) a worker's
     micro-batch stays what it is at min_workers, and it accumulates more of them."""
+    task: TaskConfig | None = None
+    """How validation actors build the task (trainer.validation.async); None: sync only."""
 
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
         return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
                    chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
-                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.min_workers)
+                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.min_workers,
+                   task=config.task)
 
 
 @dataclass(kw_only=True)
@@ -179,6 +183,7 @@ class Loop:
         self._val_keys: list[str] | None = None
         self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
                                      replicated=self.strategy.replicated, rank=rank, on_failure=self._save_failed)
+        self.validation = AsyncValidation.build(self, cfg, settings.task, most)  # None: in this loop
         sharded = isinstance(state, (str, Snapshot, Reshard))
         if (state is not None) and sharded == self.strategy.replicated:
             written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
@@ -251,6 +256,8 @@ class Loop:
             if self.position == 0:
                 self.callbacks("on_epoch_start", self)
             self.train_step()
+        if self.validation is not None and not self.paused:
+            self.validation.finish()
         self.flush(wait=True)
         if self.paused:  # for a resize: regroup(), then fit() again
             if self.snapshots is not None and self.snapshots.every:  # re-sharded from memory (reshard.py)
@@ -278,6 +285,8 @@ class Loop:
     def _after_step(self) -> None:
         """Validation, logging, epoch end and checkpoint after step `self.step`. The epoch
         moves on last: until then the work is pending, and redone the same way on resume."""
+        if self.validation is not None:
+            self.validation.after_step()
         epoch_end = not self.plan.fits(self.position)
         closes = epoch_end or (self.max_steps is not None and self.step >= self.max_steps)
         every = self.cfg.val_every_n_steps
@@ -388,6 +397,8 @@ class Loop:
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
+        if self.validation is not None and self.validation.takes(epoch):
+            return None  # asked of the validation actors; training goes on
         self.flush(wait=True)
         if self.val_data is None:
             return None
@@ -563,7 +574,10 @@ class Loop:
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
     def save_checkpoint(self, wait: bool = False) -> None:
-        self.saver.save(self.step, self.state_dict, self.latest_metrics)
+        metrics = self.latest_metrics
+        if self.validation is not None:
+            metrics = self.validation.manifest_metrics(metrics)
+        self.saver.save(self.step, self.state_dict, metrics)
         if wait:
             self.saver.finish()
 
@@ -584,6 +598,8 @@ class Loop:
                      "bytes": sum(f["size"] for f in ckpt.manifest["files"].values()),
                      # how long the save held the training thread (async: the copy of the state)
                      "blocked_s": round(self.saver.blocked_s.pop(ckpt.step, 0.0), 4)})
+        if self.validation is not None:
+            self.validation.committed(ckpt)
         self.callbacks("on_checkpoint", self, path)
 
     # ------------------------------------------------------------------ recovery
@@ -614,6 +630,8 @@ class Loop:
     def close_inputs(self) -> None:
         """Stop the loader processes (they also die with this process)."""
         self.train_input.close()
+        if self.validation is not None:
+            self.validation.close()
         if self.val_input is not None:
             self.val_input.close()
 

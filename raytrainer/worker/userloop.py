@@ -47,6 +47,7 @@ from . import _internals
 from .dist import all_reduce_sum
 from .loop import Loop
 from .saver import CheckpointSaver
+from .validation import ReportValidations
 
 Rows = Callable[[list[dict[str, Any]]], None]
 
@@ -88,6 +89,7 @@ class UserLoop:
         # new rank 0 (often the lost one's replacement) sends those up to the state it goes
         # on from again (the driver keeps the first row of each step).
         self._history: collections.deque = collections.deque(maxlen=256)
+        self.validations = ReportValidations(config.trainer.validation, report, notify)  # ctx.report(validate=)
         self._node = node or socket.gethostname()  # where this worker runs: its local rank
         if state is not None:
             self.load_state_dict(state)
@@ -109,6 +111,8 @@ class UserLoop:
         except Paused:
             self.paused = True
             return None
+        if self.rank == 0:
+            self.validations.take(wait=True)
         self._save(final=True)  # the end of the run, as a Task's (a no-op where this step is saved)
         self.saver.finish()
         self.stop_reason = "completed"
@@ -154,8 +158,11 @@ class UserLoop:
 
     # ------------------------------------------------------------------ what ctx calls
 
-    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, checkpoint: Any) -> None:
+    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, checkpoint: Any,
+               validate: Any = None) -> None:
         step = int(metrics.get("step", self._reported + 1))
+        if validate is not None and state is None:
+            raise TaskError("ctx.report(validate=...) validates the state reported: give state= too")
         epoch = int(metrics.get("epoch", self.epoch))
         if step <= self._reported:
             raise TaskError(f"ctx.report: step {step} after step {self._reported}; report increasing steps "
@@ -186,6 +193,10 @@ class UserLoop:
             loss = row.get("loss")
             if isinstance(loss, float) and not math.isfinite(loss) and not self._warned_nonfinite:
                 self._warn_nonfinite(step, loss)
+            if validate is not None and everyone_has_state:
+                self.validations.submit(step, epoch, self.world_size, self.held, validate)
+            elif self.validations.pending:
+                self.validations.take(wait=False)
         if checkpoint is not None:
             self._save(Path(checkpoint), dict(numeric))
         elif everyone_has_state and self.saver.cfg.every_n_steps and step % self.saver.cfg.every_n_steps == 0:
@@ -290,15 +301,19 @@ class LoopContext:
         self.max_steps, self.max_epochs = trainer.max_steps, trainer.max_epochs
         self.global_batch_size, self.seed = trainer.global_batch_size, trainer.seed
 
-    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None = None, checkpoint: Any = None) -> None:
+    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None = None, checkpoint: Any = None,
+               validate: Any = None) -> None:
         """A step boundary, on every rank (it is a collective: every rank reports the same
         number of times, with the same metric keys). `metrics`: a row for metrics.jsonl,
         averaged over the ranks, its step the `step` given or the next one. `state`: what to
         go on from after a failure: objects with state_dict() (model, optimizer, scheduler)
         and plain values (tensors, numbers, strings, lists and dicts of them); copied to
         host memory. `checkpoint`: a directory your loop wrote, committed with the state as
-        a raytrainer checkpoint (rank 0's)."""
-        self._loop.report(metrics, state, checkpoint)
+        a raytrainer checkpoint (rank 0's). `validate`: a function of the state (as reported:
+        state dicts in place of the objects) returning a dict of metrics, run in a Ray task
+        while training goes on (trainer.validation.resources); they arrive as this step's
+        val_* row."""
+        self._loop.report(metrics, state, checkpoint, validate)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this worker's device, wrapped for the configured strategy
