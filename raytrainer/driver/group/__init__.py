@@ -256,7 +256,7 @@ class RayWorkerGroup:
         except ReformFailed as exc:
             raise ReformFailed(exc.failures, exc.dead, len(roster.actors)) from None
         from_copy = self.copies.holder is not None and not holders
-        self.copies.after_form(roster, self.forming.secured)
+        self.copies.after_form(roster, getattr(self.forming, "secured", None))
         self.forming.clear()
         self._restock()
         return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
