@@ -262,7 +262,19 @@ class Worker:
         if prefix is not None and self._copy is None:
             self._copy = StateCopy(prefix)
         if self.loop is not None:
-            self.loop.keeper = self._copy.take if self._copy is not None else None
+            self.loop.keeper = self._keep if self._copy is not None else None
+
+    def _keep(self, step: int, state_dict) -> None:
+        """The loop's keeper: a copy that cannot be made (no room) is warned of, never a
+        reason to stop training."""
+        try:
+            self._copy.take(step, state_dict)
+        except OSError as exc:
+            import warnings
+
+            warnings.warn(f"rank {self.rank}: no copy of the state kept beside this worker, its only holder "
+                          f"(a second failure now restarts from the newest checkpoint): {exc}", stacklevel=1)
+            self.loop.keeper = None
 
     def snapshots_held(self) -> Holdings:
         """The peer snapshots this worker holds (sharded state), for a recovery."""

@@ -22,6 +22,7 @@ import mmap
 import os
 import pickle
 import struct
+import tempfile
 from typing import Any, Callable
 
 import numpy as np
@@ -44,7 +45,7 @@ class StateCopy:
 
     def __init__(self, name: str):
         self.name = name
-        self.prefix = os.path.join(default_dir(), name)
+        self.prefix: str | None = None  # chosen at the first copy, by its size
         self.step: int | None = None
         self._turn = 0
 
@@ -55,6 +56,13 @@ class StateCopy:
         skeleton = pickle.dumps((packed.skeleton, [b.nbytes for b in packed.buffers]), protocol=5)
         offset = _data_offset(len(skeleton))
         total = offset + packed.nbytes
+        if self.prefix is None:
+            # A write to a full tmpfs through a mapping is a SIGBUS, not an error: room for
+            # both turns first (a container's /dev/shm is often 64 MB), else the temp dir.
+            room = next((d for d in _dirs() if _free_bytes(d) > 2 * total + (64 << 20)), None)
+            if room is None:
+                raise OSError(f"no room for two copies of {total / 1e9:.2f} GB in {' or '.join(_dirs())}")
+            self.prefix = os.path.join(room, self.name)
         path = f"{self.prefix}-{self._turn}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -75,16 +83,16 @@ class StateCopy:
 
     def remove(self) -> None:
         remove(self.name)
+        self.prefix, self.step = None, None
 
 
 def read(name: str) -> tuple[int | None, Packed | None]:
     """The newest complete copy of `name` on this node: (its step, the state packed; its
     buffers map the file), or (None, None)."""
-    prefix = os.path.join(default_dir(), name)
     best = None
-    for turn in (0, 1):
+    for path in (f"{os.path.join(d, name)}-{turn}" for d in _dirs() for turn in (0, 1)):
         try:
-            with open(f"{prefix}-{turn}", "rb") as f:
+            with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):  # absent, or empty
             continue
@@ -105,15 +113,27 @@ def read(name: str) -> tuple[int | None, Packed | None]:
 
 
 def remove(name: str) -> None:
-    prefix = os.path.join(default_dir(), name)
-    for turn in (0, 1):
-        try:
-            os.unlink(f"{prefix}-{turn}")
-        except FileNotFoundError:
-            pass
+    for d in _dirs():
+        for turn in (0, 1):
+            try:
+                os.unlink(f"{os.path.join(d, name)}-{turn}")
+            except FileNotFoundError:
+                pass
 
 
 def default_dir() -> str:
-    """Where copies go: the node's shared memory, else its temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else \
-        os.environ.get("TMPDIR", "/tmp")
+    """Where copies go: the node's shared memory (RAM), else its temporary directory."""
+    return _dirs()[0]
+
+
+def _dirs() -> list[str]:
+    shm = ["/dev/shm"] if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else []
+    return shm + [tempfile.gettempdir()]
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
