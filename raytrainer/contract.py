@@ -171,7 +171,7 @@ class Reformed:
     source: int | None
     """The rank (before the re-form) whose state every worker now has; None: the state
     was one kept from an earlier attempt of this recovery (`state_from`)."""
-    state_from: Literal["memory", "object_store", "checkpoint", "peers"] = "memory"
+    state_from: Literal["memory", "object_store", "copy", "checkpoint", "peers"] = "memory"
     replaced: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     moved: list[int] = field(default_factory=list)
@@ -259,6 +259,11 @@ WORKER_ACTOR = "raytrainer.worker.actor:Worker"
 the driver names it but never imports the worker package's modules itself."""
 
 
+STATE_COPIES = "raytrainer.worker.copies"
+"""The module whose `read(prefix)` and `remove(prefix)` the driver runs, by this import path,
+as Ray tasks on the node of a lone survivor's copy of the state (see keep_copy)."""
+
+
 class WorkerActor(Protocol):
     """The calls the driver's group makes on a worker actor (tests/test_layout.py checks that
     the class at WORKER_ACTOR has each of them). Control calls (status, drain, ...) are
@@ -281,9 +286,14 @@ class WorkerActor(Protocol):
     def flight_record(self) -> bytes | None: ...
     def abort(self) -> bool: ...
     def kill_process(self, pid: int) -> None: ...
-    def get_state(self) -> tuple[int, bytes]:
-        """(its size, this worker's training state as torch.save bytes). Called with
+    def get_state(self) -> tuple[int, Any]:
+        """(its size, this worker's training state, packed: worker/transfer.py). Called with
         num_returns=2: the driver waits for the size and hands the state on by reference."""
+        ...
+    def keep_copy(self, prefix: str | None) -> None:
+        """Copy the state to its node's shared memory under `prefix` at every step boundary
+        from now on, as the state's only holder (None: stop, and remove the copy). Read
+        back by STATE_COPIES' `read` on that node."""
         ...
     def snapshots_held(self) -> Holdings: ...
     def peer_snapshot(self, step: int) -> tuple[int, Snapshot]: ...

@@ -58,6 +58,7 @@ class Worker:
         # Kept across the groups this process trains in: a survivor goes back to its own
         # snapshot after the group it was taken in is gone (snapshot.py; sharded state).
         self._snapshots: Any = None
+        self._copy: Any = None  # a copy of the state in shared memory, while this worker is its only holder
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
         # The thread that forms the group and trains (ids: the kernel's, Python's), for the
@@ -149,7 +150,7 @@ class Worker:
             outlets = Outlets(report=self._push, notify=self._notify, callbacks=callbacks,
                               checkpoints=self._checkpoints(), chaos_claim=self._chaos_claim,
                               snapshots=self.snapshots)
-            state = _load(resume) if isinstance(resume, bytes) else resume
+            state = _load(resume)
             if cfg.task.is_loop:
                 self.loop = self._user_loop(task, outlets, rank, world_size, device, state)
             else:
@@ -258,11 +259,40 @@ class Worker:
 
     # ------------------------------------------------------------------ recovery (while run() is not running)
 
-    def get_state(self) -> tuple[int, bytes]:
+    def get_state(self) -> tuple[int, Any]:
         """This worker's training state, for workers that lost or lack theirs, and its size
-        (see the contract: the driver waits for the size, never for the state)."""
-        data = _dump(self.loop.state_dict())
-        return len(data), data
+        (see the contract: the driver waits for the size, never for the state). Packed
+        (transfer.py): Ray copies each tensor's bytes once into its object store."""
+        from .transfer import pack
+
+        packed = pack(self.loop.state_dict())
+        return packed.nbytes, packed
+
+    def keep_copy(self, prefix: str | None) -> None:
+        """Keep a copy of the state in this node's shared memory, named `prefix`, at every
+        step boundary from now on (this worker is the state's only holder: copies.py);
+        None: stop, and remove it."""
+        from .copies import StateCopy
+
+        if self._copy is not None and prefix != self._copy.name:
+            self._copy.remove()
+            self._copy = None
+        if prefix is not None and self._copy is None:
+            self._copy = StateCopy(prefix)
+        if self.loop is not None:
+            self.loop.keeper = self._keep if self._copy is not None else None
+
+    def _keep(self, step: int, state_dict) -> None:
+        """The loop's keeper: a copy that cannot be made (no room) is warned of, never a
+        reason to stop training."""
+        try:
+            self._copy.take(step, state_dict)
+        except OSError as exc:
+            import warnings
+
+            warnings.warn(f"rank {self.rank}: no copy of the state kept beside this worker, its only holder "
+                          f"(a second failure now restarts from the newest checkpoint): {exc}", stacklevel=1)
+            self.loop.keeper = None
 
     def snapshots_held(self) -> Holdings:
         """The peer snapshots this worker holds (sharded state), for a recovery."""
@@ -300,6 +330,8 @@ class Worker:
         with _as_worker_error(self), self._forming_group():
             if state is not None:  # first: should the group fail to form, this state is kept
                 self.loop.load_state_dict(_load(state))
+            if self._copy is not None:  # a second holder is back (the driver says so again later)
+                self.loop.keeper = None
             self._forming = "joining"
             init_group(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
             self._forming = "joined"
@@ -468,7 +500,15 @@ def _dump(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _load(data: bytes) -> Any:
+def _load(data: Any) -> Any:
+    """A state handed over: packed (transfer.py) or torch.save'd bytes (a checkpoint's);
+    anything else as it is (a sharded checkpoint's URI, a peer snapshot)."""
     import torch
 
-    return torch.load(io.BytesIO(data), weights_only=True)
+    from .transfer import Packed, unpack
+
+    if isinstance(data, Packed):
+        return unpack(data)
+    if isinstance(data, bytes):
+        return torch.load(io.BytesIO(data), weights_only=True)
+    return data

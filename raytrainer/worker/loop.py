@@ -110,6 +110,10 @@ class Outlets:
 
 
 class Loop:
+    # Called at every step boundary with (step, state_dict) while this rank is the state's
+    # only holder, to keep a copy elsewhere (the actor sets it: copies.py).
+    keeper: Callable[[int, Callable[[], dict[str, Any]]], None] | None = None
+
     def __init__(self, task: Task, settings: LoopSettings, outlets: Outlets | None = None, *, rank: int,
                  world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | Reshard | None = None):
         cfg, outlets = settings.trainer, outlets or Outlets()
@@ -246,6 +250,8 @@ class Loop:
                 break
             if self.snapshots is not None and self.snapshots.due(self.step):
                 self.snapshots.take(self.step, self.state_dict())
+            if self.keeper is not None:
+                self.keeper(self.step, self.state_dict)
             if not self.plan.fits(self.position):
                 # Only after a resize under the per_worker policy: the larger global batch
                 # does not fit in what is left of the epoch, so the epoch ends here.

@@ -29,6 +29,7 @@ from ..storage_check import check_shared_storage
 from . import actors
 from .actors import Roster, control, gather, resources_text, start_worker, worker_bundle
 from .drains import Moves, draining_nodes
+from .copies import KeptCopies
 from .forming import Forming
 from .slots import Slots
 from .spares import WarmSpares
@@ -48,6 +49,7 @@ class RayWorkerGroup:
         self.moves = Moves(config, self.bundle, self.slots)
         self.spares = WarmSpares(config, 0 if use_gpu else config.failure.warm_spares)
         self.forming = Forming(config, self.roster, self.kill)
+        self.copies = KeptCopies(config)  # a lone survivor's second copy of the state
         self._runs: list[Any] = []
         self._pending: list[Any] = []
         self._finished: dict[int, RunEnd] = {}
@@ -91,6 +93,7 @@ class RayWorkerGroup:
         self.forming.clear()
         state = self.forming.read_checkpoint(resume) if resume is not None else None
         results = self.forming.form({rank: (None, state) for rank in range(len(self.roster.actors))}, self.use_gpu)
+        self.copies.after_form(self.roster, None)
         total_steps, steps_per_epoch, replicated = results[0]
         return Formed(list(self.roster.nodes), total_steps, steps_per_epoch, replicated)
 
@@ -135,6 +138,7 @@ class RayWorkerGroup:
         self.moves.shutdown()
         self.spares.shutdown()
         self.slots.shutdown()  # its newcomers, and every placement group
+        self.copies.remove_all()
         self.forming.clear()
         self._starting = []
         self.roster.actors, self.roster.slots = [], []
@@ -225,7 +229,7 @@ class RayWorkerGroup:
         try:
             answers = self.forming.answers(others, "status")
             holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
-            source, state_ref, at = self.forming.take_state(holders, avoid=leave)
+            source, state_ref, at = self._take_state(holders, leave)
         except ReformFailed as exc:  # before the ranks are renumbered: those left behind are gone too
             raise ReformFailed(exc.failures, sorted(set(exc.dead) | set(regrow)), world) from None
         moved: dict[int, Node] = {}
@@ -270,14 +274,28 @@ class RayWorkerGroup:
             self.forming.form(calls, self.use_gpu)
         except ReformFailed as exc:
             raise ReformFailed(exc.failures, exc.dead, len(roster.actors)) from None
+        from_copy = self.copies.holder is not None and not holders
+        self.copies.after_form(roster, getattr(self.forming, "secured", None))
         self.forming.clear()
         self._restock()
         return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
-                        state_from="memory" if source is not None else "object_store",
+                        state_from="memory" if source is not None else "copy" if from_copy else "object_store",
                         replaced=sorted(r for r in placed if r in dead or r in starting),
                         dropped=[r for r in dead + starting + leave if r not in placed], moved=sorted(moved),
                         added=len(joiners),
                         resynced=[r for r in holders if holders[r].position != at.position])
+
+    def _take_state(self, holders: dict[int, Status], leave: list[int]) -> tuple[int | None, Any, Status]:
+        """forming.take_state; with no survivor and nothing secured by this recovery, the
+        copy a lone survivor kept (copies.py), which is secured for this recovery then."""
+        try:
+            return self.forming.take_state(holders, avoid=leave)
+        except NoSurvivors:
+            kept = self.copies.newest()
+            if kept is None:
+                raise
+            self.forming.secured = kept
+            return None, kept[1], kept[0]
 
     def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
                           leave: list[int] = ()) -> Reformed:

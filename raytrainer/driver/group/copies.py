@@ -1,0 +1,121 @@
+"""Where the second copy of a lone survivor's state is: the driver's metadata only.
+
+"Two copies, always" (DESIGN.md): when a re-formed group has one worker (a fast recovery
+down to one worker of two, its replacement still starting), that worker is the state's
+only holder. It keeps a copy in its node's shared memory, written at every step boundary
+(worker/copies.py via the actor's keep_copy), and the driver keeps, from the recovery, the
+state it secured in the object store (the node's, not the worker's). If that worker dies
+too, the recovery finds no survivor and starts from the newer of the two: the shared
+memory copy is read by a Ray task on its node into the object store, and the workers of the
+next group load it from there, as they would a survivor's state. At most the step in
+flight is lost. Once a second holder is back (the replacement joined) or the run ends, the
+copy is removed. The bytes never pass through this process.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ...config import Config
+from ...contract import STATE_COPIES, Status
+from ...task import import_object
+from .actors import Roster
+
+# A read starts a Ray worker process on the copy's node (seconds on a busy machine) and
+# maps the copy into the object store.
+READ_TIMEOUT_S = 120.0
+REMOVE_TIMEOUT_S = 20.0
+
+
+class KeptCopies:
+    def __init__(self, config: Config):
+        scaling = config.scaling
+        # A run of one worker by choice has never had a second holder to lose.
+        self.wanted = max(scaling.num_workers, scaling.max_workers or 0) > 1
+        self.run_name = config.run.name or "run"
+        # The lone holder: (its actor, its node's id, the copy's name), while there is one.
+        self.holder: tuple[Any, str, str] | None = None
+        # The state secured in the object store by the recovery that left one holder.
+        self.secured: tuple[Status, Any] | None = None
+        self._stale: list[tuple[str, str]] = []  # (node id, name): copies whose holder is gone
+
+    def after_form(self, roster: Roster, secured: tuple[Status, Any] | None) -> None:
+        """A group has formed over `roster`: a lone worker keeps a copy (its first written
+        before its next step: keep_copy is queued ahead of run()); with two or more none
+        is kept. `secured`: the state this re-form secured, if any."""
+        lone = len(roster.actors) == 1 and self.wanted
+        actor = roster.actors[0] if lone else None
+        if self.holder is not None and self.holder[0] is not actor:
+            old, node_id, name = self.holder
+            if any(a is old for a in roster.actors):
+                old.keep_copy.remote(None)  # alive, with a peer now: it stops and removes its copy
+            else:
+                self._stale.append((node_id, name))
+            self.holder = None
+        self._remove_stale()
+        if not lone:
+            self.secured = None
+            return
+        if self.holder is None:
+            name = f"raytrainer-copy-{_safe(self.run_name)}-{uuid.uuid4().hex[:12]}"
+            self.holder = (actor, roster.nodes[0].node_id, name)
+        actor.keep_copy.remote(self.holder[2])
+        if secured is not None:
+            self.secured = secured
+
+    def newest(self) -> tuple[Status, Any] | None:
+        """For a recovery with no survivor: (where the state is, its object-store reference),
+        from the lone holder's copy or the state secured as it became the lone holder,
+        whichever is newer; None if there is neither."""
+        if self.holder is None:
+            return self.secured
+        _, node_id, name = self.holder
+        step_ref, state_ref = _task(node_id, num_returns=2).remote("read", name)
+        try:
+            step = ray.get(step_ref, timeout=READ_TIMEOUT_S)
+        except (GetTimeoutError, RayError):
+            step = None  # its node is gone too
+        if step is None or (self.secured is not None and self.secured[0].step >= step):
+            return self.secured
+        return Status(step=step, progress=0, phase="framework"), state_ref
+
+    def remove_all(self) -> None:
+        """At the end of the run: no copy is left behind."""
+        if self.holder is not None:
+            self._stale.append(self.holder[1:])
+            self.holder = None
+        self._remove_stale(wait=True)
+        self.secured = None
+
+    def _remove_stale(self, wait: bool = False) -> None:
+        refs = [_task(node_id).remote("remove", name) for node_id, name in self._stale]
+        self._stale = []
+        if wait and refs:
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=REMOVE_TIMEOUT_S)
+            except RayError:
+                pass  # a lost node took its copy along
+
+
+def _task(node_id: str, num_returns: int = 1) -> Any:
+    """A function of STATE_COPIES as a Ray task on `node_id`: no CPU asked (the workers'
+    slots hold the node's), run there or not at all."""
+    return _run_copies_function.options(
+        num_cpus=0, num_returns=num_returns, max_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    )
+
+
+@ray.remote
+def _run_copies_function(function: str, *args: Any) -> Any:
+    # By import path: the driver does not import the worker package (tests/test_layout.py).
+    return import_object(f"{STATE_COPIES}:{function}")(*args)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
