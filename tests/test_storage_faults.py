@@ -141,6 +141,7 @@ loggers: []
 """
 
 
+@pytest.mark.slow  # its CLI starts a Ray of its own: workers read the endpoint from their environment
 @pytest.mark.parametrize("async_save", [False, True])
 def test_an_s3_endpoint_down_mid_run_skips_saves_and_later_saves_commit_again(tmp_path, monkeypatch, async_save):
     from moto.server import ThreadedMotoServer
@@ -197,12 +198,6 @@ def test_an_s3_endpoint_down_mid_run_skips_saves_and_later_saves_commit_again(tm
             proc.kill()
             proc.wait()
         server.stop()
-
-
-def cli(tmp_path, *sets):
-    return subprocess.run([sys.executable, "-m", "raytrainer", "train", "configs/linear.yaml", "--no-progress",
-                           "--set", "trainer.max_steps=4", "--set", f"run.storage={tmp_path}", *sets],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_a_missing_dataset_file_fails_at_once_naming_the_file_the_rank_and_the_traceback(ray_local, tmp_path):
