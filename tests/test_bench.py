@@ -286,8 +286,7 @@ def test_raw_fsdp2_trains_the_same_job_as_raw_ddp(tmp_path):
 @pytest.mark.slow
 def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagged):
     """`raytrainer bench --strategy fsdp`: raw FSDP2 against raytrainer's FSDP2, and a kill
-    recovered from peer snapshots (with a spare, re-sharded with none, waited for with
-    exact) against one recovered from a checkpoint."""
+    recovered from peer snapshots against one recovered from a checkpoint."""
     spec = bench.BenchSpec(**{**bench.SMOKE, "strategy": "fsdp", "scenarios": "train,peers"})
     report = bench.run_bench(spec, keep_in=tmp_path / "work")
     assert_nothing_left(tagged)
@@ -302,13 +301,7 @@ def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagg
     assert spec.kill_step - 11 <= peers["peers_steps_replayed"] <= 10
     assert spec.kill_step - 11 <= peers["checkpoint_steps_lost"] <= 10
     figures = {f["key"]: f for f in report["figures"]}
-    assert all(figures[k]["status"] == "measured" for k in ("peers_kill_to_first_step_s", "snapshot_overhead",
-                                                             "reshard_kill_to_first_step_s",
-                                                             "exact_kill_to_first_step_s"))
-    # With no spare: fast goes on without the killed rank (re-sharded), exact waits for it.
-    assert peers["reshard_run"]["recovered_event"]["dropped"] == [spec.workers - 1]
-    assert peers["exact_run"]["recovered_event"]["replaced"] == [spec.workers - 1]
-    assert peers["reshard_steps_replayed"] <= 10
+    assert all(figures[k]["status"] == "measured" for k in ("peers_kill_to_first_step_s", "snapshot_overhead"))
     # Not compared with raw's loss: raytrainer seeds its model's init its own way (its DDP
     # run's loss differs from raw DDP's too; its fsdp run's equals its DDP run's, checked once).
     steps = {f["key"]: f for f in report["figures"]}["steps_per_s"]

@@ -212,7 +212,8 @@ def test_two_non_neighbours_killed_go_on_at_two_resharded_from_peers_and_grow_ba
     back = recovered[0]
     assert back["state_from"] == "peers" and sorted(back["dropped"]) == [0, 2] and back["peers"] == {"0": 1, "2": 3}
     assert back["steps_lost"] <= 4 and back["step"] == back["snapshot_step"]  # replayed: <= the interval
-    resized = [(e["old_world_size"], e["new_world_size"], e["cause"].split(":")[0]) for e in of(result.events, "resized")]
+    resized = [(e["old_world_size"], e["new_world_size"], e["cause"].split(":")[0])
+               for e in of(result.events, "resized")]
     assert resized == [(4, 2, "failure"), (2, 4, "lost workers replaced")]
     assert not of(result.events, "resumed")  # no checkpoint was read
     assert {r["world_size"] for r in result.history if "loss" in r} >= {2, 4}

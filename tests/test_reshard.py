@@ -80,3 +80,39 @@ def test_snapshots_that_do_not_fit_the_state_are_refused_with_the_key():
         reshard(template, [{"model": {"w": torch.ones(3)}, "loop": {"step": 4}}, {"model": {}, "loop": {}}])
     filled = reshard(template, [{"model": {"w": torch.ones(3)}, "loop": {"step": 4}}] * 2)
     assert filled["loop"] == {"step": 4} and torch.equal(template["model"]["w"], torch.ones(3))
+
+
+def _offsets_after_renumbering(rank, world):
+    """Shard a layer, then form the group again with the ranks turned one place (as a
+    survivor of a re-shard is renumbered) and shard a new layer: its offset must be the new
+    rank's, not the one this process had in the first group."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from raytrainer.worker.sharded import default_mesh
+
+    def offset():
+        weight = fully_shard(torch.nn.Linear(4, 4 * world), mesh=default_mesh("cpu")).weight
+        return compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)[1][0]
+
+    before = offset()
+    port = [None]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = [s.getsockname()[1]]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    new = (rank + 1) % world
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=new, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    return before, new, offset()
+
+
+def test_a_renumbered_rank_shards_at_its_new_offset():
+    for rank, (before, new, after) in enumerate(run_ranks(_offsets_after_renumbering, 3)):
+        assert before == 4 * rank and after == 4 * new

@@ -215,16 +215,6 @@ FIGURES = (
     Figure("peers_steps_replayed", "fsdp: steps replayed after it", "steps", "lower", ("raytrainer",),
            lambda run: run.get("peers_steps_replayed"), target="<= snapshot_every_n_steps",
            met_in_run=lambda run: run["peers_steps_replayed"] <= run["snapshot_every_n_steps"], scenario="peers"),
-    Figure("reshard_kill_to_first_step_s", "fsdp: the same, no spare: re-sharded onto the ranks left (fast)", "s",
-           "lower", ("raytrainer",), lambda run: run.get("reshard_kill_to_first_step_s"), target="<= 1 s",
-           target_check=lambda m, r: m["raytrainer"] <= 1, scenario="peers"),
-    Figure("reshard_steps_replayed", "fsdp: steps replayed after the re-shard", "steps", "lower", ("raytrainer",),
-           lambda run: run.get("reshard_steps_replayed"), target="<= snapshot_every_n_steps",
-           met_in_run=lambda run: run["reshard_steps_replayed"] <= run["snapshot_every_n_steps"], scenario="peers"),
-    Figure("reshard_regrow_pause_s", "fsdp: pause of the grow back once the replacement is up (re-sharded)", "s",
-           "lower", ("raytrainer",), lambda run: run.get("reshard_regrow_pause_s"), scenario="peers"),
-    Figure("exact_kill_to_first_step_s", "fsdp: the same, no spare, failure.recovery exact (waits for the process)",
-           "s", "lower", ("raytrainer",), lambda run: run.get("exact_kill_to_first_step_s"), scenario="peers"),
     Figure("checkpoint_kill_to_first_step_s", "fsdp: the same, from the newest checkpoint (snapshots off)", "s",
            "lower", ("raytrainer",), lambda run: run.get("checkpoint_kill_to_first_step_s"), scenario="peers"),
     Figure("checkpoint_steps_lost", "fsdp: steps lost to it from the checkpoint", "steps", "lower",
@@ -416,10 +406,8 @@ def notes(spec: BenchSpec) -> list[str]:
         out.append(
             f"Peers runs (fsdp, one local Ray): the kill scenario's run ({spec.kill_steps} steps, the last rank "
             f"SIGKILLed from outside as it starts step {spec.kill_step}, a checkpoint every "
-            f"{spec.kill_checkpoint_every} steps, the warm spare), with peer snapshots at the default "
-            "failure.snapshot_every_n_steps; again with no spare, failure.recovery fast (the survivors re-shard "
-            "the snapshots onto the ranks left; the replacement joins at a grow, if up before the end) and exact "
-            "(waits for the replacement process); and with snapshots off (recovery from the newest checkpoint); then "
+            f"{spec.kill_checkpoint_every} steps, the warm spare), once with peer snapshots at the default "
+            "failure.snapshot_every_n_steps and once with them off (recovery from the newest checkpoint); then "
             f"the train run ({spec.steps} steps) with snapshots and without, one after the other: the overhead is "
             "1 - the first's steps/s over the second's. Steps replayed: the snapshot step to the furthest step "
             "finished before the kill.")

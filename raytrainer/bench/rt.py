@@ -121,8 +121,6 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     out = kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
     out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0],
-               regrow_pause_s=next((e["seconds"] for e in result.events if e["event"] == "resized"
-                                    and e["cause"] == "lost workers replaced"), None),
                contender_settings=settings(cfg))
     return out
 
@@ -139,9 +137,6 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     init_ray()  # as raytrainer.train would
     try:
         peers = kill_raytrainer(spec, work / "peers")
-        # No spare: the fast path re-shards onto the ranks left; exact waits for the process.
-        reshard = kill_raytrainer(spec, work / "reshard", failure={"warm_spares": 0})
-        exact = kill_raytrainer(spec, work / "exact", failure={"warm_spares": 0, "recovery": "exact"})
         # Synchronous saves: the recovery must find the checkpoint before the kill committed. An
         # async one may commit only after it (seen beside another test session, load 13: the
         # save of step 10 was not committed at the kill at step 15, and the run restarted at 0).
@@ -151,24 +146,19 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         off = run_raytrainer(spec, work / "no-snapshots", failure={"snapshot_every_n_steps": 0})
     finally:
         ray.shutdown()
-    for run, source in ((peers, "peers"), (reshard, "peers"), (exact, "peers"), (checkpoint, "checkpoint")):
+    for run, source in ((peers, "peers"), (checkpoint, "checkpoint")):
         if run["recovered_event"].get("state_from") != source:
             raise BenchError(f"expected a recovery from {source}; it was: {run['recovered_event']}")
     with_, without = rate(on["step_times"], spec["warmup_fraction"]), rate(off["step_times"], spec["warmup_fraction"])
     return {"step_times": peers["step_times"], "phases": peers["phases"],
-            "worker_pids": sorted({p for run in (peers, reshard, exact, checkpoint, on, off)
-                                   for p in run["worker_pids"]}),
+            "worker_pids": sorted({p for run in (peers, checkpoint, on, off) for p in run["worker_pids"]}),
             "snapshot_every_n_steps": FailureConfig().snapshot_every_n_steps,
             "peers_kill_to_first_step_s": peers["kill_to_first_step_s"], "peers_steps_replayed": peers["steps_lost"],
-            "reshard_kill_to_first_step_s": reshard["kill_to_first_step_s"],
-            "reshard_steps_replayed": reshard["steps_lost"],
-            "reshard_regrow_pause_s": reshard["regrow_pause_s"],
-            "exact_kill_to_first_step_s": exact["kill_to_first_step_s"],
             "checkpoint_kill_to_first_step_s": checkpoint["kill_to_first_step_s"],
             "checkpoint_steps_lost": checkpoint["steps_lost"],
             "snapshot_steps_per_s": with_, "no_snapshot_steps_per_s": without,
             "snapshot_overhead": 1 - with_ / without,
-            "peers_run": peers, "reshard_run": reshard, "exact_run": exact, "checkpoint_run": checkpoint}
+            "peers_run": peers, "checkpoint_run": checkpoint}
 
 
 def local_cluster(temp_dir: str | None = None) -> Any:

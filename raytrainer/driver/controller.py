@@ -23,9 +23,11 @@ a checkpoint from storage (`restore`) take their place. When the state is sharde
 survivor: the group goes back to the newest peer snapshot (each worker keeps its own
 and a copy of its neighbour's in memory, snapshot.py), the replacements taking the
 copies, and replays the steps since; where no snapshot serves (a worker lost with the
-neighbour holding its copy) it restarts from the newest checkpoint. A resize of a
-sharded run restarts the same way, from the checkpoint the workers wrote as they
-paused: loading it reshards the state to the new world size. In an elastic run a lost
+neighbour holding its copy) it restarts from the newest checkpoint. With
+failure.recovery fast it does not wait for the lost workers' replacements either: every
+worker of the smaller group re-shards the snapshots (worker/reshard.py), and a resize
+re-shards the same way from the snapshots the workers keep as they pause (with snapshots
+off, it restarts from the checkpoint they wrote, which reshards on load). In an elastic run a lost
 worker that cannot be replaced in time is dropped (the group shrinks), and when
 the cluster has room for more workers (up to max_workers) the workers pause at a
 common step, the newcomers are started and take the state, and the group grows.
