@@ -19,6 +19,8 @@ from raytrainer.driver import localray
 from .ray_procs import free_port, processes_under, short_temp_dir, wait_gone
 from .tasks import RegressionTask
 
+pytestmark = pytest.mark.slow  # each test starts a Ray (or two) in subprocesses
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
