@@ -16,9 +16,11 @@ import yaml
 
 from raytrainer.driver import localray
 
-from .ray_procs import free_port, processes_under, short_temp_dir, wait_gone
+from .ray_procs import free_port, processes_under, short_temp_dir, token_env, wait_gone
 from .tasks import RegressionTask
 from .waits import Deadline
+
+pytestmark = pytest.mark.slow  # each test starts a Ray (or two) in subprocesses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,7 +246,7 @@ def test_a_ray_the_user_starts_beside_the_kept_one_takes_jobs(kept, tmp_path):
     # The user's own head, with the agent's default port (unless another process on this
     # shared machine holds it: then what the kept Ray holds is checked above only).
     head_dir = short_temp_dir()
-    env = {k: v for k, v in kept.items() if k != "TMPDIR"}
+    env = token_env()  # as tests/test_job_submit.py: whatever ~/.ray/auth_token holds
     env["RAY_TMPDIR"] = head_dir  # the head records itself there, not where other runs look
     ray_cli = str(Path(sys.executable).with_name("ray"))
     dash = free_port()
@@ -268,7 +270,8 @@ def test_a_ray_the_user_starts_beside_the_kept_one_takes_jobs(kept, tmp_path):
             assert proc.poll() is None, f"ray start exited {proc.returncode}: {(tmp_path / 'ray-start.log').read_text()}"
             assert time.monotonic() < deadline, job.stdout[-2000:] + job.stderr[-2000:]
             time.sleep(1)
-        assert "42" in job.stdout and "SUCCEEDED" in job.stdout, job.stdout[-2000:]
+        out = job.stdout + job.stderr
+        assert "\n42\n" in out and "succeeded" in out, out[-2000:]
     finally:
         proc.send_signal(signal.SIGTERM)  # --block: stops the node's processes
         proc.wait(timeout=60)
