@@ -28,12 +28,16 @@ def _stall(path):
 class RegressionTask(Task):
     """A tiny MLP regressing a fixed random linear map; deterministic data on every worker."""
 
-    def __init__(self, num_samples=256, val_samples=64, lr=0.05, fail_at_step=None, fail_rank=0,
+    def __init__(self, num_samples=256, val_samples=64, lr=None, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
                  saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
-        self.num_samples, self.val_samples, self.lr = num_samples, val_samples, lr
+        # SGD at 0.05 diverges on a wide layer (its gradient grows with the width): the wide
+        # ones (a large state to move or save) take a step scaled down to stay finite, as
+        # trainer.nonfinite=stop (the default) requires.
+        self.num_samples, self.val_samples = num_samples, val_samples
+        self.lr = lr if lr is not None else 0.05 * min(1.0, 16 / hidden)
         self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
         self.no_loss = no_loss
         self.dropout, self.record, self.sleep_s = dropout, record, sleep_s
