@@ -36,17 +36,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..task import Task
+from .driver_memory import BigStateTask
 
 TASK = "raytrainer.bench.state_size:StackTask"
 WIDTH = 4096
 
 
-class StackTask(Task):
-    """`layers` x Linear(width, width) with Adam, regressing a fixed random map."""
+class StackTask(BigStateTask):
+    """`layers` x Linear(width, width) with Adam, regressing a fixed random map (the data and
+    the step are driver_memory's)."""
 
     def __init__(self, width: int = WIDTH, layers: int = 8, samples: int = 64):
-        self.width, self.layers, self.samples = width, layers, samples
+        super().__init__(width, samples)
+        self.layers = layers
 
     def build_model(self):
         import torch
@@ -58,19 +60,6 @@ class StackTask(Task):
         import torch
 
         return torch.optim.Adam(model.parameters(), lr=1e-5)
-
-    def train_dataset(self):
-        import torch
-
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(self.samples, self.width, generator=g)
-        return torch.utils.data.TensorDataset(x, x.roll(1, dims=1))
-
-    def train_step(self, model, batch):
-        import torch
-
-        x, y = batch
-        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
 
 
 def layers_for(state_mb: float, width: int = WIDTH) -> int:
