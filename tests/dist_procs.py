@@ -43,7 +43,19 @@ def _entry(fn, rank, world_size, port, results, args, kwargs):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120, **kwargs: Any) -> list[Any]:
     """fn(rank, world_size, *args, **kwargs) on every rank; the ranks' return values (they
-    must pickle), by rank. A rank's exception fails the call with its traceback."""
+    must pickle), by rank. A rank's exception fails the call with its traceback. The port is
+    free when chosen, not always when rank 0 binds it (another session's Ray took one between
+    the two in a fresh-clone run): then the ranks start again on another, at most twice."""
+    for attempt in range(3):
+        try:
+            return _run_ranks(fn, world_size, args, kwargs, timeout_s)
+        except AssertionError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks(fn, world_size, args, kwargs, timeout_s) -> list[Any]:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
