@@ -102,8 +102,9 @@ from raytrainer import Task
 
 
 class SlowTask(Task):
-    """A user's task in their own directory; each step sleeps (20 times longer while the file
-    `hold` exists: a stop then takes a while to reach its step boundary)."""
+    """A user's task in their own directory; each step sleeps sleep_s, and on while the file
+    `hold` exists (for at most a minute): a stop then cannot reach its step boundary until
+    the test lets it."""
 
     def __init__(self, sleep_s=0.05, hold=None):
         self.sleep_s, self.hold = sleep_s, hold
@@ -120,7 +121,10 @@ class SlowTask(Task):
 
     def train_step(self, model, batch):
         x, y = batch
-        time.sleep(self.sleep_s * (20 if self.hold and os.path.exists(self.hold) else 1))
+        time.sleep(self.sleep_s)
+        held = time.monotonic()
+        while self.hold and os.path.exists(self.hold) and time.monotonic() - held < 60:
+            time.sleep(self.sleep_s)
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
 '''
 
@@ -202,7 +206,7 @@ def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_pa
     run_dir = tmp_path / "runs" / "abort"
     proc = start_cli(tmp_path, "abort")
     wait_for_step(run_dir, 5, proc)
-    (tmp_path / "hold").touch()  # steps of a second: the stop is still on its way to a boundary
+    (tmp_path / "hold").touch()  # the step in flight waits: the stop is still on its way to a boundary
     time.sleep(1.5)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
