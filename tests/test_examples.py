@@ -1,6 +1,9 @@
 """The shipped examples train as their configs say, with 2 workers, and the CLI runs them."""
 
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -9,6 +12,7 @@ import pytest
 import raytrainer
 
 from .conftest import ROOT, assert_no_leaks
+from .ray_procs import own_ray_env
 
 
 @pytest.mark.parametrize("name, overrides, check", [
@@ -44,12 +48,25 @@ def test_charlm_beats_the_unigram_baseline(ray_local, tmp_path):
 
 
 def test_cli_trains_and_reports(tmp_path):
+    # Where Ray looks for a `ray start` head to join: this test's own folder, holding the
+    # address file of a head that is gone (stopped without `ray stop`). A plain ray.init()
+    # would wait minutes on that address; the run says so and starts its own Ray.
+    env = own_ray_env()
+    ray_tmp = env["RAY_TMPDIR"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write(dead)
     proc = subprocess.run(
         [sys.executable, "-m", "raytrainer", "train", "configs/linear.yaml", "--fast-dev-run", "3",
          "--set", "scaling.num_workers=1", "--set", f"run.storage={tmp_path}", "--set", "run.name=cli"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(f"names a Ray at {dead} that is not running") == 1, proc.stderr
     assert f"finished {tmp_path}/cli: step 3, epoch 1" in proc.stdout
     assert "step 3/3" in proc.stderr  # the progress line, driver only
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]

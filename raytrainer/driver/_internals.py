@@ -30,13 +30,41 @@ def started_local_ray() -> bool:
 
 def bootstrap_address() -> str | None:
     """The Ray that a `ray start` on this machine left (what a plain ray.init() joins: the
-    address in /tmp/ray/ray_current_cluster, checked to be live), if any, by Ray's own lookup
-    (ray._private.services.find_bootstrap_address), so that a run decides as ray.init would.
-    Without it: a run would start or join the kept local Ray (localray.py) where a user's own
-    `ray start` Ray should have been joined."""
+    address in /tmp/ray/ray_current_cluster), if any, by Ray's own lookup
+    (ray._private.services.find_bootstrap_address), so that a run decides as ray.init would;
+    None if that Ray is gone (its GCS port refuses a connection: a head killed or a machine
+    restarted without `ray stop`, which leaves the file behind), with a warning once. Without
+    it: a run would start or join the kept local Ray (localray.py) where a user's own
+    `ray start` Ray should have been joined; without the check, a plain ray.init() waits
+    minutes on the dead address."""
     from ray._private import services
 
-    return services.find_bootstrap_address(None)
+    address = services.find_bootstrap_address(None)
+    if address is None or _answers(address):
+        return address
+    _warn_stale(address)
+    return None
+
+
+def _answers(address: str, timeout_s: float = 2.0) -> bool:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_stale(address: str) -> None:
+    import sys
+
+    from ray._private import utils
+
+    print(f"raytrainer: warning: {utils.get_ray_address_file(None)} names a Ray at {address} that is not "
+          "running (a `ray start` head stopped without `ray stop`); ignoring it", file=sys.stderr)
 
 
 @contextlib.contextmanager

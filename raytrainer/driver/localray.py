@@ -179,6 +179,8 @@ def connect(address: str | None = None, **options: Any) -> None:
 def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
     import ray
 
+    if address is None and _internals.bootstrap_address() is None:
+        address = "local"  # what None means here, but never a dead `ray start` head's recorded address
     with settings():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
