@@ -32,6 +32,15 @@ def short_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="rt-", dir="/tmp")
 
 
+def own_ray_env(**extra: str) -> dict:
+    """The environment for a `raytrainer` command that starts a Ray of its own, as on a
+    machine with no other Ray: no RAY_ADDRESS, and a RAY_TMPDIR of its own, where no
+    `ray start` or cluster_utils head of this session has recorded an address to join."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=short_temp_dir(), **extra)
+    return env
+
+
 def token_env() -> dict:
     """Token auth with a fresh token: deterministic whatever ~/.ray/auth_token holds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}

@@ -15,6 +15,7 @@ from raytrainer.checkpoint import Checkpoints, Storage
 from raytrainer.config import CheckpointConfig, KeepBestConfig
 
 from .conftest import ROOT, assert_no_leaks
+from .ray_procs import own_ray_env
 from .waits import Deadline
 
 
@@ -63,7 +64,7 @@ def test_an_async_save_writes_what_a_sync_one_does_from_a_process_of_its_own(tmp
     import io
 
     (_, one_sync), (_, one_async) = (store(tmp_path / d, keep_last=5).load_latest() if d == "sync" else
-                                     (None, store(tmp_path / d).storage.read(f"run/checkpoints/step-00000001/state.pt"))
+                                     (None, store(tmp_path / d).storage.read("run/checkpoints/step-00000001/state.pt"))
                                      for d in ("sync", "async"))
     a, b = (torch.load(io.BytesIO(data), weights_only=True) for data in (one_sync, one_async))
     assert a["model"].keys() == b["model"].keys() and a["loop"] == b["loop"]
@@ -228,7 +229,7 @@ def test_a_run_on_s3_storage(s3_server, tmp_path):
          "--set", "trainer.max_steps=6", "--set", "scaling.num_workers=1",
          "--set", "run.storage=s3://bucket/runs", "--set", "run.name=full",
          "--set", "checkpoint.every_n_steps=3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **s3_server},
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=own_ray_env(**s3_server),
     )
     assert proc.returncode == 0, proc.stderr
     storage = Storage("s3://bucket/runs")

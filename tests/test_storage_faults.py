@@ -24,6 +24,7 @@ from raytrainer.checkpoint import Checkpoints, Storage
 from raytrainer.config import CheckpointConfig
 
 from .conftest import ROOT, assert_no_leaks
+from .ray_procs import own_ray_env
 
 
 @contextlib.contextmanager
@@ -161,7 +162,7 @@ def test_an_s3_endpoint_down_mid_run_skips_saves_and_later_saves_commit_again(tm
     name = f"down-{uuid.uuid4().hex[:8]}"  # moto's buckets live as long as this process
     (tmp_path / "down.yaml").write_text(CONFIG % (str(async_save).lower(), name))
     proc = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", str(tmp_path / "down.yaml"), "--no-progress"],
-                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=own_ray_env())
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
