@@ -2,6 +2,8 @@
 
 import json
 
+import time
+
 import pytest
 
 from raytrainer.config import FailureConfig
@@ -319,19 +321,59 @@ def test_a_ready_spare_or_exactness_keeps_the_world_size(tmp_path):
         assert next(e for e in log if e["event"] == "recovered")["spares"] == list(spares)
 
 
+class SilentGroup(FailingGroup):
+    """Rank 1 answers its control channel as `answers` says, ask by ask (the last for every
+    later ask); the polls wait (empty) at the one scripted after the peer's failure until
+    `until(self)` holds."""
+
+    def __init__(self, polls, reforms, answers, until):
+        super().__init__(polls, reforms)
+        self.answers, self.until, self.asks = list(answers), until, 0
+
+    def status(self, timeout=1.0):
+        from raytrainer.contract import Status
+
+        self.asks += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        return [None, Status(1, 5, "collective") if answer else None]
+
+    def poll(self, timeout):
+        if len(self.polls) == 2 and not self.until(self):
+            time.sleep(0.01)
+            return Poll()
+        return super().poll(timeout)
+
+
 def test_a_worker_silent_once_its_peer_stopped_is_lost_without_waiting_for_ray_to_say_so(tmp_path):
     # Its node went with it: the peer's collective failed at once, but Ray reports the worker
-    # dead seconds later (its run() call has not ended in any poll here).
+    # dead seconds later (its run() call has not ended in any poll here). Two asks in a row
+    # unanswered: it is taken for dead and killed.
     reformed = Reformed(step=1, nodes=NODES, source=0, replaced=[1])
-    group = FailingGroup([Poll(rows(1)), Poll(failures=[interrupted(0)]), Poll(), Poll(),
-                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed])
+    group = SilentGroup([Poll(rows(1)), Poll(failures=[interrupted(0)]), Poll(),
+                         Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed],
+                        answers=[False], until=lambda g: ("kill", 1) in g.calls)
     controller, events = recovering(tmp_path, group, max_failures=1)
     controller.SILENT_AFTER_S = 0  # how long Ray gets to say it first (with its cause)
     assert controller.run() == WEIGHTS
     events.close()
-    assert ("kill", 1) in group.calls and ("reform", (1,)) in group.calls
+    assert ("kill", 1) in group.calls and ("reform", (1,)) in group.calls and group.asks == 2
     failed = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "worker_failed")
     assert (failed["rank"], failed["kind"]) == (1, "died") and "did not answer" in failed["cause"]
+
+
+def test_a_worker_slow_to_answer_once_is_not_taken_for_dead(tmp_path):
+    # A loaded machine: rank 1 misses one ask, answers the next, then its collective fails
+    # as its peer's did. It is a survivor, not killed.
+    reformed = Reformed(step=1, nodes=NODES, source=0)
+    group = SilentGroup([Poll(rows(1)), Poll(failures=[interrupted(0)]), Poll(failures=[interrupted(1)]),
+                         Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed],
+                        answers=[False, True], until=lambda g: g.asks >= 3 or ("kill", 1) in g.calls)
+    controller, events = recovering(tmp_path, group, max_failures=1)
+    controller.SILENT_AFTER_S = 0
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert ("kill", 1) not in group.calls
+    assert not [e for e in read(tmp_path / "events.jsonl") if e["event"] == "worker_failed" and e["kind"] == "died"]
 
 
 def test_a_run_left_below_min_workers_fails_once_its_replacements_are_overdue(tmp_path):

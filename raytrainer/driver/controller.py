@@ -163,6 +163,7 @@ class Controller:
         self._answered: dict[int, tuple[Any, float]] = {}  # rank -> (its last status, when)
         self._status_at = self._reset_at = self._blocked_at = self._silent_at = 0.0
         self._hung_now: list[Failure] = []
+        self._quiet: set[int] = set()  # the ranks that did not answer the last ask (_silent)
         self._gave_up: str | None = None
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
 
@@ -383,6 +384,7 @@ class Controller:
         # down, worker/dist.py): every survivor is to re-form anyway.
         self.group.abort([r for r in range(self.world) if r not in failed])
         stopped_at: float | None = None  # when a survivor first stopped, holding its state
+        self._quiet = set()
         while True:
             settled = set(failed) | set(finished) | set(self._paused)
             # A worker that raised still holds its connections (its DDP keeps the process
@@ -426,16 +428,20 @@ class Controller:
     SILENT_AFTER_S = 0.5
 
     def _silent(self, exclude: set[int]) -> list[int]:
-        """The workers (not in `exclude`) that do not answer their control channel, asked at
-        most twice a second. Once a survivor has stopped, one that has not stopped and does
-        not answer is gone: a worker whose node was lost with it is known dead to Ray only
-        seconds later (2.6 s in the bench's node run) and its peers, which stopped at once,
-        would wait for that."""
+        """The workers (not in `exclude`) that answered neither of the last two asks of their
+        control channel (half a second each, at most twice a second). Once a survivor has
+        stopped, one that has not stopped and does not answer is gone: a worker whose node
+        was lost with it is known dead to Ray only seconds later (2.6 s in the bench's node
+        run) and its peers, which stopped at once, would wait for that. Two asks, not one:
+        on a loaded machine one answer can take longer than half a second, and a worker
+        taken for dead is killed."""
         now = time.monotonic()
         if now - self._silent_at < 0.5:
             return []
         self._silent_at = now
-        return [r for r, s in enumerate(self.group.status(timeout=0.5)) if r not in exclude and s is None]
+        quiet = {r for r, s in enumerate(self.group.status(timeout=0.5)) if r not in exclude and s is None}
+        gone, self._quiet = sorted(quiet & self._quiet), quiet
+        return gone
 
     def _blocked(self, exclude: set[int]) -> list[int]:
         """The workers (not in `exclude`) in a collective now, asked at most once a second."""
