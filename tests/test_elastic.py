@@ -217,7 +217,9 @@ def assert_every_sample_once(record):
 
 def test_a_worker_killed_while_the_group_grows(cluster, tmp_path):
     """The state for the newcomer is being taken from a survivor when that survivor is
-    killed: one failure, and the group still forms at 3 from the other survivor."""
+    killed: one failure, no step lost, and the group forms at 3 from the other survivor,
+    in the recovery, or at a grow right after it where the replacement was not up yet when
+    the group re-formed (a loaded machine: seen at load 15)."""
     cfg, slow, record = growable(tmp_path, "growkill")
     cfg["task"]["args"]["saving_marker"] = str(tmp_path / "saving-")
     run = Run(cfg)
@@ -233,7 +235,10 @@ def test_a_worker_killed_while_the_group_grows(cluster, tmp_path):
     failed = [e for e in result.events if e["event"] == "worker_failed"]
     recovered = [e for e in result.events if e["event"] == "recovered"]
     assert [f["kind"] for f in failed] == ["died"] and source not in recovered[0]["pids"]
-    assert len(recovered) == 1 and recovered[0]["steps_lost"] == 0 and len(recovered[0]["pids"]) == 3
+    assert len(recovered) == 1 and recovered[0]["steps_lost"] == 0
+    if len(recovered[0]["pids"]) != 3:
+        grown = [e for e in result.events if e["event"] == "resized" and e["step"] >= recovered[0]["step"]]
+        assert [e["new_world_size"] for e in grown] == [3], result.events
     steps = [r["step"] for r in result.history if "loss" in r]
     assert len(set(steps)) == len(steps) == STEPS and worlds(run.run_dir)[-1] == 3
     assert_every_sample_once(record)
