@@ -6,7 +6,6 @@ state is the bench's (python -m raytrainer.bench.driver_memory)."""
 
 import pickle
 
-import pytest
 import ray
 import torch
 

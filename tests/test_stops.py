@@ -19,7 +19,7 @@ from raytrainer.checkpoint import Checkpoints, Storage
 from raytrainer.config import CheckpointConfig
 from raytrainer.errors import NonFiniteLoss
 
-from .conftest import ROOT, assert_no_leaks
+from .conftest import assert_no_leaks
 
 
 def config(tmp_path, name, **trainer):

@@ -131,7 +131,7 @@ def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, s
         unknown = sorted(set(task) - {"target", "loop", "args"})
         if unknown or ("target" in task) == ("loop" in task):
             raise ConfigError("task: give a Python object as {'target': TaskClass, 'args': {...}} or "
-                              f"{{'loop': function, 'args': {{...}}}}" + (f"; unknown keys {unknown}" if unknown else ""))
+                              "{'loop': function, 'args': {...}}" + (f"; unknown keys {unknown}" if unknown else ""))
         obj, args = task.get("target", task.get("loop")), task.get("args") or {}
     else:
         obj, args = task, {}
