@@ -164,7 +164,6 @@ def test_use_gpu_and_backend_are_checked_against_the_cluster():
 
 @pytest.mark.parametrize("key, words", [
     ("trainer.precision=bf16", ["trainer.precision applies to a Task's loop", "torch.autocast"]),
-    ("trainer.strategy=fsdp", ["supports ddp only"]),
     ("data.num_workers=2", ["data.num_workers", "ctx.sampler"]),
     ("failure.chaos=[{action: kill, step: 2}]", ["failure.chaos", "kill a worker from outside"]),
     ("task.target=a:B", ["exactly one of target", "loop"]),
