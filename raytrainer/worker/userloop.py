@@ -229,6 +229,10 @@ class UserLoop:
         self._pause_agreed |= sums[-1] > 0
         self._reported = step
         self.progress += 1
+        row = {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time()}
+        row.update({k: v for k, v in metrics.items() if k not in row and not _is_number(v)})
+        row.update({k: total / self.world_size for k, total in zip(keys, sums)})
+        self._history.append(row)  # first: a snapshot of this report holds its row
         if everyone_has_state:  # after the all-reduce: every rank reached this report
             if self.replicated:
                 self.held = _copy_state(state)
@@ -236,10 +240,6 @@ class UserLoop:
                 self.held, self.layout = loopshards.take(_state_dicts(state))
             self.step, self.epoch, self.checkpoint = step, epoch, None
             self._snapshot()
-        row = {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time()}
-        row.update({k: v for k, v in metrics.items() if k not in row and not _is_number(v)})
-        row.update({k: total / self.world_size for k, total in zip(keys, sums)})
-        self._history.append(row)
         if self.rank == 0:
             self._rows([row])
             loss = row.get("loss")
