@@ -443,7 +443,8 @@ class FailureConfig:
     lost worker's state is recovered from its peer and the run replays at most this many
     steps, reading no checkpoint (the memory it takes: docs/fault-tolerance.md, "FSDP: peer
     snapshots"). 0: recover from the newest checkpoint instead. Replicated state (ddp) needs none: every survivor
-    holds it."""
+    holds it. Your own loop (task.loop) under fsdp copies at every report with state instead
+    (any value but 0), so that it loses at most the steps since that report."""
     chaos: list[ChaosFault] = field(default_factory=list)
     """Faults to inject (see ChaosFault)."""
 
@@ -635,16 +636,11 @@ class Config:
 # steps, so the keys that configure the Task loop's step do not apply; a key set anyway is
 # an error, never silently ignored. The rest (scaling, failure, checkpoint retention, run,
 # loggers, driver callbacks) works as for a Task.
-LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "seed", "strategy", "sync_batchnorm")
+LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "seed", "strategy", "fsdp", "sync_batchnorm")
 
 
 def _check_loop_config(config: Config) -> None:
     """Keys that a run of your own loop cannot honour, with what to do instead."""
-    if config.trainer.strategy != "ddp":
-        raise ConfigError(
-            f"trainer.strategy={config.trainer.strategy!r}: your own loop (task.loop) supports ddp only "
-            "(ctx.prepare_model wraps the model in DistributedDataParallel); for FSDP write a raytrainer.Task"
-        )
     for section, allowed, instead in (
         (config.trainer, LOOP_TRAINER_KEYS, "do it in your loop (e.g. torch.autocast, "
          "clip_grad_norm_, your scheduler), or write a raytrainer.Task"),

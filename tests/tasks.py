@@ -394,9 +394,6 @@ def regression_loop(ctx, steps=24, state_every=1, sleep_s=0.0, dropout=0.1, mark
     draws from a generator seeded by the step, so a step redone after a recovery draws the
     same numbers. `marker`: a path whose file, while it exists, holds each step for sleep_s
     (the test's window to kill a worker; deleted to let the run finish at full speed)."""
-    import os
-    import time
-
     task = RegressionTask(dropout=dropout)
     torch.manual_seed(ctx.seed)
     model = task.build_model()
@@ -405,6 +402,27 @@ def regression_loop(ctx, steps=24, state_every=1, sleep_s=0.0, dropout=0.1, mark
         model.load_state_dict(ctx.state["model"])
         optimizer.load_state_dict(ctx.state["optimizer"])
     model = ctx.prepare_model(model)
+    return _regression_steps(ctx, task, model, optimizer, steps, state_every, sleep_s, marker)
+
+
+def sharded_regression_loop(ctx, steps=24, state_every=1, sleep_s=0.0, dropout=0.1, marker=None):
+    """regression_loop as an FSDP loop (trainer.strategy fsdp) is written: ctx.prepare_model
+    shards the model, the optimizer is built over its shards, and ctx.state (this rank's
+    shards) is loaded into both."""
+    task = RegressionTask(dropout=dropout)
+    torch.manual_seed(ctx.seed)
+    model = ctx.prepare_model(task.build_model())
+    optimizer = task.build_optimizer(model)
+    if ctx.state is not None:
+        model.load_state_dict(ctx.state["model"])
+        optimizer.load_state_dict(ctx.state["optimizer"])
+    return _regression_steps(ctx, task, model, optimizer, steps, state_every, sleep_s, marker)
+
+
+def _regression_steps(ctx, task, model, optimizer, steps, state_every, sleep_s, marker):
+    import os
+    import time
+
     data = task.train_dataset()
     sampler = ctx.sampler(data)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)

@@ -2,7 +2,8 @@
 on local Gloo processes (no Ray; the same through Ray with kills from outside is
 test_fsdp's): 4 ranks snapshot, 2 or 3 go on from every rank's snapshot, and the run ends
 within float tolerance of an undisturbed one (the same global batch and sample order; only
-the order of the sums over ranks differs)."""
+the order of the sums over ranks differs). The same for your own loop under FSDP
+(worker/loopshards.py): its report's state is put back together from every rank's pieces."""
 
 import pytest
 import torch
@@ -116,3 +117,63 @@ def _offsets_after_renumbering(rank, world):
 def test_a_renumbered_rank_shards_at_its_new_offset():
     for rank, (before, new, after) in enumerate(run_ranks(_offsets_after_renumbering, 3)):
         assert before == 4 * rank and after == 4 * new
+
+
+# ---------------------------------------------------------------------- your own loop
+
+
+class _KeepingStep(PeerSnapshots):
+    """Peer snapshots that also keep this rank's own snapshot of one step, once exchanged."""
+
+    def __init__(self, every_n_steps, step):
+        super().__init__(every_n_steps)
+        self.step, self.kept = step, None
+
+    def wait(self):
+        super().wait()
+        if self.kept is None and self.step in self.own:
+            self.kept = self.own_snapshot(self.step)
+
+
+def _user_loop(rank, world, steps, snapshots, state=None):
+    """tests.tasks.sharded_regression_loop to `steps`, state reported every 3 steps; no
+    dropout (its masks are drawn per rank, so they differ by world size)."""
+    from functools import partial
+
+    from raytrainer.config import load_config
+    from raytrainer.worker.userloop import UserLoop
+
+    from .tasks import sharded_regression_loop
+
+    config = load_config({"task": {"loop": "tests.tasks:sharded_regression_loop"},
+                          "trainer": {"global_batch_size": 24, "max_steps": steps, "strategy": "fsdp"}})
+    fn = partial(sharded_regression_loop, steps=steps, state_every=3, dropout=0.0)
+    loop = UserLoop(fn, config, rank=rank, world_size=world, device=torch.device("cpu"), report=lambda rows: None,
+                    notify=lambda event: None, checkpoints=None, state=state, snapshots=snapshots)
+    return loop.step, loop.fit()
+
+
+def _loop_straight_and_snapshotted(rank, world, steps, at):
+    """A loop run to `steps`, with this rank's snapshot of step `at` kept on the way."""
+    snapshots = _KeepingStep(1, at)
+    _, weights = _user_loop(rank, world, steps, snapshots)
+    return snapshots.kept, weights
+
+
+def _loop_resharded(rank, world, parts, steps):
+    return _user_loop(rank, world, steps, PeerSnapshots(1), state=Reshard(parts[0].step, tuple(parts)))
+
+
+def test_your_loops_sharded_state_goes_on_at_another_world_size_within_float_tolerance():
+    """Two ranks' pieces of step 6 (a (1, 16) layer: rank 1's piece of it is empty), put back
+    together and cut for three (6, 5, 5 rows; the layer to rank 0): the loop goes on from
+    ctx.state at step 6 and ends within float tolerance of the two ranks' undisturbed run."""
+    two = run_ranks(_loop_straight_and_snapshotted, 2, 12, 6)
+    parts = [kept for kept, _ in two]
+    assert [(p.rank, p.step) for p in parts] == [(0, 6), (1, 6)]
+    three = run_ranks(_loop_resharded, 3, parts, 12)
+    assert [start for start, _ in three] == [6, 6, 6]
+    resumed, straight = three[0][1], two[0][1]
+    assert resumed.keys() == straight.keys()
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,6 @@
 """Your code as it is: a Task passed by value (from a script's __main__, a notebook-like
-namespace), your own loop (raytrainer.train_loop) recovered from a survivor's memory, and
-the config errors of both."""
+namespace), your own loop (raytrainer.train_loop) recovered from a survivor's memory (or,
+under FSDP, from its peers' snapshots), and the config errors of both."""
 
 import json
 import os
@@ -22,7 +22,6 @@ from raytrainer.task import describe
 
 from .conftest import ROOT, assert_no_leaks
 from .faults import Run, kill
-from .waits import Deadline
 
 TASK_SOURCE = '''
 import torch
@@ -164,7 +163,6 @@ def test_use_gpu_and_backend_are_checked_against_the_cluster():
 
 @pytest.mark.parametrize("key, words", [
     ("trainer.precision=bf16", ["trainer.precision applies to a Task's loop", "torch.autocast"]),
-    ("trainer.strategy=fsdp", ["supports ddp only"]),
     ("data.num_workers=2", ["data.num_workers", "ctx.sampler"]),
     ("failure.chaos=[{action: kill, step: 2}]", ["failure.chaos", "kill a worker from outside"]),
     ("task.target=a:B", ["exactly one of target", "loop"]),
@@ -192,24 +190,26 @@ def undisturbed(ray_local, tmp_path_factory):
     return raytrainer.train(loop_config(tmp_path_factory.mktemp("base"), "base", state_every=3), progress=False)
 
 
-def test_your_loop_survives_a_sigkill_with_its_state_from_a_survivor(undisturbed, tmp_path):
-    marker = tmp_path / "slow"
+def killed_mid_run(config, marker):
+    """Run `config` (each step held while `marker` exists), SIGKILL a random rank by pid at a
+    random step from 4 to 12, anywhere in it, and let the run finish at full speed once it
+    recovered: (its result, the rank killed, its one recovered event)."""
     marker.touch()
-    run = Run(loop_config(tmp_path, "kill", state_every=3, sleep_s=0.05, marker=str(marker)))
+    run = Run(config)
     rng = random.Random()
     run.wait_for_step(rng.randint(4, 12))
     time.sleep(rng.uniform(0, 0.05))  # anywhere in a step: the forward, the backward, a report
     victim = rng.randrange(2)
     kill(run.pids()[victim])
-    deadline = Deadline(120)
-    while not any(e["event"] == "recovered" for e in run.events()):
-        assert not deadline.passed(), "no recovery"
-        time.sleep(0.1)
+    run.wait_for(lambda: any(e["event"] == "recovered" for e in run.events()), "the recovery")
     marker.unlink()
     result = run.result()
     (failed,), (recovered,) = events(result, "worker_failed"), events(result, "recovered")
     assert failed["kind"] == "died" and failed["rank"] == victim
-    assert recovered["state_from"] == "memory" and recovered["source_rank"] == 1 - victim
+    return result, victim, recovered
+
+
+def assert_redone_since_the_last_state_report(result, recovered, undisturbed):
     assert not events(result, "resumed")  # no checkpoint was read
     assert recovered["steps_lost"] <= 3 and recovered["step"] % 3 == 0  # since the last state report
     restarted = [r for r in result.history if r["started_at"] > 0]
@@ -218,6 +218,14 @@ def test_your_loop_survives_a_sigkill_with_its_state_from_a_survivor(undisturbed
     a, b = weights(result), weights(undisturbed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same bits
     assert_no_leaks()
+
+
+def test_your_loop_survives_a_sigkill_with_its_state_from_a_survivor(undisturbed, tmp_path):
+    marker = tmp_path / "slow"
+    result, victim, recovered = killed_mid_run(loop_config(tmp_path, "kill", state_every=3, sleep_s=0.05,
+                                                           marker=str(marker)), marker)
+    assert recovered["state_from"] == "memory" and recovered["source_rank"] == 1 - victim
+    assert_redone_since_the_last_state_report(result, recovered, undisturbed)
 
 
 def test_your_loop_reports_rows_and_commits_a_checkpoint(undisturbed):
@@ -275,4 +283,60 @@ def test_your_loop_pauses_at_a_report_with_state_and_goes_on_from_it(ray_local, 
         group.shutdown()
     after = [r for r in rows if r["started_at"] > 0]
     assert after and after[0]["started_at"] == reformed.step and after[-1]["step"] == 30
+    assert_no_leaks()
+
+
+# --------------------------------------------------------------------------- your own loop under FSDP
+
+def sharded_config(tmp_path, name, **args):
+    cfg = loop_config(tmp_path, name, **args)
+    cfg["task"]["loop"] = "tests.tasks:sharded_regression_loop"
+    cfg["trainer"]["strategy"] = "fsdp"
+    cfg["checkpoint"] = {"every_n_steps": 15}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def sharded(ray_local, tmp_path_factory):
+    return raytrainer.train(sharded_config(tmp_path_factory.mktemp("fsdp"), "fsdp", state_every=3), progress=False)
+
+
+def test_your_loop_under_fsdp_ends_with_ddps_weights_and_writes_sharded_checkpoints(sharded, undisturbed):
+    """ctx.prepare_model shards the model as a Task's FSDP run does: the same loop ends
+    within float tolerance of its DDP run, model.pt whole; its checkpoints are sharded."""
+    a, b = weights(sharded), weights(undisturbed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+    rows = [r for r in sharded.history if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 31)) and {r["world_size"] for r in rows} == {2}
+    assert [e["step"] for e in events(sharded, "checkpoint_committed")] == [15, 30]
+    ckpt = sharded.run_dir / "checkpoints" / "step-00000015"
+    assert json.loads((ckpt / "COMMITTED").read_text())["format"] == "dcp"
+    assert sum(p.name.endswith(".distcp") for p in ckpt.iterdir()) == 2  # every rank wrote its shards
+
+
+def test_your_loop_under_fsdp_survives_a_sigkill_from_its_peers_snapshots(sharded, tmp_path):
+    """Every report with state is a peer snapshot: the killed rank's shards come from the
+    copy its neighbour holds, the survivor's from its own; no checkpoint is read, the steps
+    since the last report with state are redone, and the run ends with the undisturbed
+    run's weights."""
+    marker = tmp_path / "slow"
+    result, victim, recovered = killed_mid_run(sharded_config(tmp_path, "kill", state_every=3, sleep_s=0.05,
+                                                              marker=str(marker)), marker)
+    assert recovered["state_from"] == "peers" and recovered["peers"] == {str(victim): 1 - victim}
+    assert recovered["replaced"] == [victim] and recovered["snapshot_step"] == recovered["step"]
+    assert_redone_since_the_last_state_report(result, recovered, sharded)
+
+
+def test_your_loop_under_fsdp_resumes_from_a_sharded_checkpoint(sharded, tmp_path):
+    """No snapshot to go back to (here: a new run from the checkpoint of step 15): each rank
+    reads its shards of it, and the run ends with the undisturbed run's weights."""
+    cfg = sharded_config(tmp_path, "resumed", state_every=3)
+    cfg["run"]["resume"] = str(sharded.run_dir / "checkpoints" / "step-00000015")
+    result = raytrainer.train(cfg, progress=False)
+    assert [e["step"] for e in events(result, "resumed")] == [15]
+    assert {r["started_at"] for r in result.history if r["step"] > 15} == {15}
+    a, b = weights(result), weights(sharded)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert_no_leaks()

@@ -167,12 +167,9 @@ class Worker:
             raise ConfigError(f"callbacks: {names} run on the workers, inside a Task's loop; your own loop "
                               "(task.loop) has no such hooks: call them from your loop, or give the class "
                               "on_driver = True to run it on the driver")
-        if isinstance(state, str):
-            raise ConfigError("the checkpoint to resume from is sharded (trainer.strategy: fsdp); your own "
-                              "loop (task.loop) resumes replicated ones only")
         return UserLoop(fn, self.config, rank=rank, world_size=world_size, device=device, report=outlets.report,
                         notify=outlets.notify, checkpoints=outlets.checkpoints, state=state,
-                        node=self.node().node_id)
+                        node=self.node().node_id, snapshots=outlets.snapshots)
 
     def run(self) -> RunEnd:
         """Train to the end ("finished"; rank 0 writes the final weights to model.pt and

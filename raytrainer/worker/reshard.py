@@ -88,8 +88,13 @@ def _piece(template: Any, parts: list[torch.Tensor], where: str) -> torch.Tensor
     if whole.shape != template.shape:
         raise ValueError(f"{where}: the snapshots' pieces make up a tensor of shape {tuple(whole.shape)}, "
                          f"the state's is {tuple(template.shape)}")
-    chunks = torch.chunk(whole, mesh.size(), dim=dim)
-    rank = mesh.get_local_rank()
+    return chunk(whole, dim, mesh.size(), mesh.get_local_rank())
+
+
+def chunk(whole: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `whole` sharded along `dim` over `world_size` ranks, as FSDP2
+    cuts it: torch.chunk's piece, or an empty one for a rank past the last chunk."""
+    chunks = torch.chunk(whole, world_size, dim=dim)
     if rank < len(chunks):
         return chunks[rank]
     shape = list(whole.shape)

@@ -535,10 +535,20 @@ def load_sharded(state: dict[str, Any], storage: Storage, rel_dir: str, *, proce
         dcp.load(tensors, storage_reader=ArrowReader(storage, storage.path(rel_dir)),
                  planner=_WeightsOnlyLoadPlanner(), process_group=process_group,
                  no_dist=not dist.is_initialized())
-    saved = torch.load(io.BytesIO(storage.read(f"{rel_dir}/{PLAIN}")), weights_only=True)
     state.update(tensors)
-    state.update(saved)
+    state.update(read_plain(storage, rel_dir))
     return state
+
+
+def read_plain(storage: Storage, rel_dir: str) -> dict[str, Any]:
+    """The entries of a sharded checkpoint's state that hold no tensor (plain.pt)."""
+    return torch.load(io.BytesIO(storage.read(f"{rel_dir}/{PLAIN}")), weights_only=True)
+
+
+def checkpoint_location(uri: str) -> tuple[Storage, str]:
+    """A sharded checkpoint's directory, named by its URI: (its parent's storage, its name)."""
+    parent, name = uri.rstrip("/").rsplit("/", 1)
+    return Storage(parent), name
 
 
 class AsyncShardedSaver:

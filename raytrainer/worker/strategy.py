@@ -153,14 +153,16 @@ class FSDP:
                 f"fully_shard); the workers have torch {torch.__version__}: upgrade torch there, or use "
                 "trainer.strategy=ddp")
 
-    def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    def prepare(self, module: torch.nn.Module, device: torch.device, mesh: Any = None) -> torch.nn.Module:
+        """`mesh`: the group's, where it is made already (your own loop's: ctx.state's
+        DTensors are on it); else one over the default group (a collective)."""
         from torch.distributed.fsdp import FSDPModule
 
         from ..errors import TaskError
         from .sharded import default_mesh, shard_model
 
         module = module.to(device)
-        mesh = default_mesh(device.type)
+        mesh = mesh if mesh is not None else default_mesh(device.type)
         hook = getattr(self.task, "shard", None)
         if hook is None:
             dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -222,11 +224,9 @@ class FSDP:
         return ShardedEMA(module, decay)  # AveragedModel's deepcopy of a sharded module fails
 
     def read_checkpoint(self, uri: str, template: dict[str, Any]) -> dict[str, Any]:
-        from ..checkpoint import Storage
-        from .sharded import load_sharded
+        from .sharded import checkpoint_location, load_sharded
 
-        parent, name = uri.rstrip("/").rsplit("/", 1)
-        return load_sharded(template, Storage(parent), name)  # resharded to this world size
+        return load_sharded(template, *checkpoint_location(uri))  # resharded to this world size
 
 
 # Unannotated: DDP rejects a hook whose annotations are not its own types (strings here).

@@ -22,6 +22,15 @@ step it was reported at. The steps done since that report are lost and redone.
 A pause for a resize (or to leave a draining node) is agreed in a report's all-reduce and
 taken at the first report with state on every rank after it: the report raises
 `Paused` (a BaseException, which the user's `except Exception` does not catch) through fn.
+
+Sharded state (trainer.strategy: fsdp): ctx.prepare_model shards the model as a Task's
+FSDP run does (strategy.FSDP, on the mesh this loop made for the group), so a report's
+state holds DTensors. Each rank's copy is then its own pieces (loopshards.py), which no
+survivor holds for a lost rank: every report with state is also a peer snapshot
+(snapshot.py: the copy goes to the next rank's memory too), and the driver recovers from
+those as it does a Task's FSDP run (a replacement takes the copy its successor holds;
+with none left, the newest checkpoint), building a new UserLoop on every worker.
+Checkpoints are sharded (every rank writes its pieces); model.pt is gathered whole.
 """
 
 from __future__ import annotations
@@ -41,12 +50,15 @@ import torch.distributed as dist
 
 from ..checkpoint import Checkpoints, Committed, to_cpu
 from ..config import Config
+from ..contract import Reshard, Snapshot
 from ..data import BatchPlan
 from ..errors import ConfigError, TaskError
-from . import _internals
+from . import _internals, loopshards
 from .dist import all_reduce_sum
 from .loop import Loop
 from .saver import CheckpointSaver
+from .snapshot import PeerSnapshots, check_memory, load, state_bytes
+from .strategy import build_strategy
 from .validation import ReportValidations
 
 Rows = Callable[[list[dict[str, Any]]], None]
@@ -57,14 +69,16 @@ class Paused(BaseException):
 
 
 class UserLoop:
-    replicated = True  # a DDP loop: every rank's state is the same (strategy: ddp only)
     steps_per_epoch = None  # the loop's own business
 
     def __init__(self, fn: Callable[[Any], Any], config: Config, *, rank: int, world_size: int,
                  device: torch.device, report: Rows, notify: Callable[[dict[str, Any]], None],
-                 checkpoints: Checkpoints | None, state: dict[str, Any] | None = None, node: str = ""):
+                 checkpoints: Checkpoints | None, state: dict[str, Any] | str | Snapshot | Reshard | None = None,
+                 node: str = "", snapshots: PeerSnapshots | None = None):
         self.fn, self.config = fn, config
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.strategy = build_strategy(config.trainer, world_size)
+        self.replicated = self.strategy.replicated  # every rank's state is the same (ddp), or its own shards
         self._rows = report
         self.notify = notify
         self.total_steps = config.trainer.max_steps  # the progress bar's total, where given
@@ -77,9 +91,10 @@ class UserLoop:
         self.paused = False
         self.stop_reason: str | None = None
         self.held: dict[str, Any] | None = None  # the user's state of report `step`, on CPU
+        self.layout: loopshards.Layout = []  # sharded: where the pieces in `held` belong
         self.checkpoint: str | None = None  # the checkpoint directory a restart from storage read
-        self.saver = CheckpointSaver(checkpoints, config.checkpoint, self._committed, rank=rank,
-                                     on_failure=self._save_failed)
+        self.saver = CheckpointSaver(checkpoints, config.checkpoint, self._committed, replicated=self.replicated,
+                                     rank=rank, on_failure=self._save_failed)
         self.model: torch.nn.Module | None = None  # what ctx.prepare_model wrapped: the final weights
         self._reported = 0  # the newest step reported (rows), ahead of `step` where no state came
         self._pause_agreed = False
@@ -91,9 +106,15 @@ class UserLoop:
         self._history: collections.deque = collections.deque(maxlen=256)
         self.validations = ReportValidations(config.trainer.validation, report, notify)  # ctx.report(validate=)
         self._node = node or socket.gethostname()  # where this worker runs: its local rank
-        if state is not None:
-            self.load_state_dict(state)
         self._local_environment()
+        self.mesh = None if self.replicated else self._mesh()  # ctx.state's and prepare_model's
+        # Sharded: every report with state is a peer snapshot too (off: failure.snapshot_every_n_steps 0).
+        self.snapshots = snapshots if not self.replicated and snapshots is not None and snapshots.every else None
+        self._memory_checked = False
+        if self.snapshots is not None:
+            self.snapshots.bind(rank, world_size)
+        if state is not None:
+            self.load_state_dict(self._resolve(state))
 
     # ------------------------------------------------------------------ the Loop's face
 
@@ -116,26 +137,48 @@ class UserLoop:
         self._save(final=True)  # the end of the run, as a Task's (a no-op where this step is saved)
         self.saver.finish()
         self.stop_reason = "completed"
-        return self._final_weights(out) if self.rank == 0 else None
+        if self.replicated and self.rank != 0:
+            return None
+        return self._final_weights(out)  # sharded: gathered, by every rank
 
     def state_dict(self) -> dict[str, Any]:
-        """The state of the newest report with state, as a checkpoint's state.pt holds it."""
-        return {"loop": {"kind": "loop", "step": self.step, "epoch": self.epoch, "checkpoint": self.checkpoint,
-                         "rows": [row for row in self._history if row["step"] <= self.step]},
-                "user": self.held}
+        """The state of the newest report with state, as a checkpoint's state.pt holds it
+        (sharded: this rank's pieces, as a peer snapshot holds them)."""
+        loop = {"kind": "loop", "step": self.step, "epoch": self.epoch, "checkpoint": self.checkpoint,
+                "rows": [row for row in self._history if row["step"] <= self.step]}
+        if not self.replicated:
+            loop["layout"] = self.layout
+        return {"loop": loop, "user": self.held}
+
+    def _sharded_checkpoint(self) -> dict[str, Any]:
+        """The state to save as a sharded checkpoint: the tensors apart, sharded over this
+        group's mesh (every rank writes its pieces); the rest in its plain part."""
+        loop = self.state_dict()["loop"]
+        loop["user"], tensors = loopshards.to_checkpoint(self.held, self.layout, self.mesh)
+        return {"loop": loop, "tensors": tensors}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("loop", {})
         if saved.get("kind") != "loop":
             raise ConfigError("the checkpoint to resume from was written by a raytrainer.Task run, not by "
                               "your own loop (task.loop); resume it with the task that wrote it")
+        if ("layout" in saved) == self.replicated:
+            written = "sharded (trainer.strategy: fsdp)" if "layout" in saved else "replicated (strategy: ddp)"
+            raise ConfigError(f"the state to resume from is {written} but this run has trainer.strategy="
+                              f"{self.config.trainer.strategy}; resume it with the strategy it was written with")
         self.step, self.epoch, self.held = saved["step"], saved["epoch"], state["user"]
+        if not self.replicated:
+            self.layout = saved["layout"]
+            if self.held is not None:  # a re-shard's or a checkpoint's: this rank's pieces of this group
+                self.held = loopshards.cut(self.held, self.layout, self.world_size, self.rank)
         self.checkpoint = saved.get("checkpoint")
         self._history = collections.deque(saved.get("rows", ()), maxlen=self._history.maxlen)
         self.saver.saved_step = self.step
 
     def regroup(self, rank: int, world_size: int) -> None:
-        """Go on in a re-formed group (the default group, initialised) as `rank`."""
+        """Go on in a re-formed group (the default group, initialised) as `rank`. (Replicated
+        state only: a sharded state's group is formed anew, each worker building a new
+        UserLoop from the snapshots or a checkpoint.)"""
         self.rank, self.world_size = rank, world_size
         self.saver.rank = rank
         self.pause_requested = self._pause_agreed = self.paused = False
@@ -163,6 +206,11 @@ class UserLoop:
         step = int(metrics.get("step", self._reported + 1))
         if validate is not None and state is None:
             raise TaskError("ctx.report(validate=...) validates the state reported: give state= too")
+        if not self.replicated and (validate is not None or checkpoint is not None):
+            raise TaskError(f"ctx.report({'validate' if validate is not None else 'checkpoint'}=...): under "
+                            "trainer.strategy fsdp each rank holds its own shards of the state, so rank 0's "
+                            "copy is not the state; validate inside your loop, and let raytrainer write the "
+                            "sharded checkpoints (checkpoint.every_n_steps)")
         epoch = int(metrics.get("epoch", self.epoch))
         if step <= self._reported:
             raise TaskError(f"ctx.report: step {step} after step {self._reported}; report increasing steps "
@@ -181,13 +229,17 @@ class UserLoop:
         self._pause_agreed |= sums[-1] > 0
         self._reported = step
         self.progress += 1
-        if everyone_has_state:
-            self.held = _copy_state(state)  # after the all-reduce: every rank reached this report
-            self.step, self.epoch, self.checkpoint = step, epoch, None
         row = {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time()}
         row.update({k: v for k, v in metrics.items() if k not in row and not _is_number(v)})
         row.update({k: total / self.world_size for k, total in zip(keys, sums)})
-        self._history.append(row)
+        self._history.append(row)  # first: a snapshot of this report holds its row
+        if everyone_has_state:  # after the all-reduce: every rank reached this report
+            if self.replicated:
+                self.held = _copy_state(state)
+            else:
+                self.held, self.layout = loopshards.take(_state_dicts(state))
+            self.step, self.epoch, self.checkpoint = step, epoch, None
+            self._snapshot()
         if self.rank == 0:
             self._rows([row])
             loss = row.get("loss")
@@ -202,7 +254,25 @@ class UserLoop:
         elif everyone_has_state and self.saver.cfg.every_n_steps and step % self.saver.cfg.every_n_steps == 0:
             self._save(metrics=dict(numeric))
         if self._pause_agreed and everyone_has_state:
+            if self.snapshots is not None:  # a resize re-shards from every rank's own (reshard.py)
+                self.snapshots.keep(step, self.state_dict())
+            elif not self.replicated:  # sharded state leaves through a checkpoint (resharded on load)
+                self._save()
+                self.saver.finish()
             raise Paused()
+
+    def _snapshot(self) -> None:
+        """Sharded: the state just held goes to the next rank's memory too, before the report
+        returns: a lost rank's state of the last report with state is then on a survivor,
+        as a replicated one is (a Task's snapshots, every few steps, go in the background)."""
+        if self.snapshots is None:
+            return
+        if not self._memory_checked:  # once its size is known
+            check_memory(state_bytes(self.held), self.local_world_size, "failure.snapshot_every_n_steps")
+            self._memory_checked = True
+        with self._phase("collective"):  # the ring exchange with the neighbours
+            self.snapshots.take(self.step, self.state_dict())
+            self.snapshots.wait()
 
     def _warn_nonfinite(self, step: int, loss: float) -> None:
         """Your loop owns its updates (the optimizer step came before the report), so a
@@ -226,7 +296,8 @@ class UserLoop:
         if self.saver.checkpoints is None or self.held is None and directory is None:
             return
         if directory is None:
-            self.saver.save(self.step, self.state_dict, metrics or {}, final=final)
+            state = self.state_dict if self.replicated else self._sharded_checkpoint
+            self.saver.save(self.step, state, metrics or {}, final=final)
             return
         self.saver.finish()  # a state-only save under way lands first
         self.saver.saved_step = self._reported
@@ -253,13 +324,51 @@ class UserLoop:
                      "bytes": sum(f["size"] for f in ckpt.manifest["files"].values())})
 
     def _final_weights(self, out: Any) -> dict[str, torch.Tensor] | None:
-        """model.pt: what fn returned (a module or a state dict), else the model it prepared."""
+        """model.pt: what fn returned (a module or a state dict), else the model it prepared.
+        Sharded: gathered whole (a collective: every rank calls it), on rank 0."""
         found = out if out is not None else self.model
         if isinstance(found, torch.nn.Module):
-            found = _unwrap(found).state_dict()
+            found = (_unwrap(found).state_dict() if self.replicated
+                     else self.strategy.full_weights(found))
+        elif not self.replicated and isinstance(found, dict):
+            found = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in found.items()}
+        if self.rank != 0:
+            return None
         if isinstance(found, dict) and found and all(isinstance(v, torch.Tensor) for v in found.values()):
             return to_cpu(found)
         return None
+
+    def _mesh(self) -> Any:
+        """The group's device mesh (a collective), for prepare_model and ctx.state's DTensors."""
+        from .sharded import default_mesh
+
+        return default_mesh(self.device.type)
+
+    def _resolve(self, state: dict[str, Any] | str | Snapshot | Reshard) -> dict[str, Any]:
+        """The state handed over, as state_dict() gives it: a peer snapshot of this rank's
+        (its own, or the copy its successor held), every old rank's (a re-shard: put back
+        together, then cut in load_state_dict), or a sharded checkpoint's URI (read here, a
+        collective: every rank reads its pieces); a replicated state is that already."""
+        if self.replicated and isinstance(state, (str, Snapshot, Reshard)):
+            raise ConfigError("the checkpoint to resume from is sharded (trainer.strategy: fsdp) but this run "
+                              f"has trainer.strategy={self.config.trainer.strategy}; resume it with fsdp")
+        if isinstance(state, Snapshot):
+            return load(state)
+        if isinstance(state, Reshard):
+            parts = [load(part) for part in state.parts]
+            layout = parts[0]["loop"]["layout"]
+            return {"loop": parts[0]["loop"], "user": loopshards.joined([p["user"] for p in parts], layout)}
+        if isinstance(state, str):
+            from .sharded import checkpoint_location, load_sharded, read_plain
+
+            storage, name = checkpoint_location(state)
+            saved = read_plain(storage, name)["loop"]
+            if "layout" not in saved:
+                return {"loop": saved, "user": None}  # load_state_dict says what it is
+            loaded = load_sharded({"tensors": loopshards.template(saved["layout"], self.mesh)}, storage, name)
+            return {"loop": saved, "user": loopshards.from_checkpoint(saved.pop("user"), saved["layout"],
+                                                                      loaded["tensors"])}
+        return state
 
     def _local_environment(self) -> None:
         """What torchrun sets, for code that initialises itself from it (Hugging Face's
@@ -291,10 +400,13 @@ class LoopContext:
         self.local_rank, self.local_world_size = loop.local_rank, loop.local_world_size
         self.step, self.epoch = loop.step, loop.epoch
         """The step and epoch of the state to start from (0 at a fresh start)."""
-        self.state = _clone(loop.held)
+        self.state = (_clone(loop.held) if loop.replicated or loop.held is None
+                      else loopshards.as_dtensors(loop.held, loop.layout, loop.mesh))
         """None at a fresh start; after a failure or a resize, the state of the newest report
         every rank reached, as reported (state dicts in place of the objects): from a
-        survivor's memory, or where none survived, from the newest checkpoint."""
+        survivor's memory, or where none survived, from the newest checkpoint. Under
+        trainer.strategy fsdp, this rank's shards (DTensors over the model's mesh): load
+        them after ctx.prepare_model and building the optimizer."""
         self.checkpoint = loop.checkpoint
         """The directory (or URI) of the checkpoint the state was read from, with the files
         your loop saved in it (ctx.report(checkpoint=...)); None when it came from memory."""
@@ -318,8 +430,13 @@ class LoopContext:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this worker's device, wrapped for the configured strategy
         (DistributedDataParallel over the group; trainer.sync_batchnorm converts its
-        BatchNorm layers). Its weights are model.pt at the end unless fn returns others."""
+        BatchNorm layers), or under trainer.strategy fsdp sharded in place as a Task's is
+        (fully_shard, trainer.fsdp): build the optimizer over it afterwards. Its weights
+        are model.pt at the end (gathered whole) unless fn returns others."""
         loop = self._loop
+        if not loop.replicated:
+            loop.model = loop.strategy.prepare(model, self.device, mesh=loop.mesh)
+            return loop.model
         if loop.config.trainer.sync_batchnorm and self.world_size > 1:
             from .syncbn import convert_sync_batchnorm
 
@@ -384,15 +501,36 @@ PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None))
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """The state of a report on CPU: each object's state_dict() (DDP's unwrapped), each
     plain value as it is; tensors cloned, so training on does not change the copy."""
+    return to_cpu(_state_dicts(state))
+
+
+def _state_dicts(state: dict[str, Any]) -> dict[str, Any]:
+    """The state of a report: each object's state_dict() (DDP's unwrapped; a sharded
+    module's after its parameters are resharded, so they are its DTensor shards), each
+    plain value as it is, checked."""
     if not isinstance(state, dict):
         raise TaskError(f"ctx.report(state=...) takes a dict of objects and values, not {type(state).__name__}")
     out = {}
     for key, value in state.items():
-        if hasattr(value, "state_dict") and callable(value.state_dict):
-            value = _unwrap(value).state_dict() if isinstance(value, torch.nn.Module) else value.state_dict()
+        if isinstance(value, torch.nn.Module):
+            value = _unwrap(_resharded(value)).state_dict()
+        elif hasattr(value, "state_dict") and callable(value.state_dict):
+            value = value.state_dict()
         _check_plain(value, f"state[{key!r}]")
-        out[key] = to_cpu(value)
+        out[key] = value
     return out
+
+
+def _resharded(module: torch.nn.Module) -> torch.nn.Module:
+    """After a forward with no backward FSDP keeps the root's parameters (and any unit's with
+    reshard_after_forward off) gathered, registered whole: reshard them first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):  # fully_shard is applied to the root last
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+    return module
 
 
 def _check_plain(value: Any, where: str) -> None:
