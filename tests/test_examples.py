@@ -67,6 +67,7 @@ def test_cli_trains_and_reports(tmp_path):
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count(f"names a Ray at {dead} that is not running") == 1, proc.stderr
+    assert "Token authentication is" not in proc.stderr  # Ray's notice about a Ray the run started itself
     assert f"finished {tmp_path}/cli: step 3, epoch 1" in proc.stdout
     assert "step 3/3" in proc.stderr  # the progress line, driver only
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]

@@ -71,6 +71,8 @@ NAMES = [
      "leaving nodes drained for preemption before their deadline (driver/_internals.draining_nodes)"),
     (RAY, "ray._private.services", "find_bootstrap_address",
      "joining a user's `ray start` Ray before the kept local Ray (driver/_internals.bootstrap_address)"),
+    (RAY, "ray._private.authentication.authentication_token_setup", "logger",
+     "not printing Ray's token-auth notice for a Ray raytrainer starts (driver/_internals.quiet_token_auth_notice)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
     (RAY, "ray._private.authentication.authentication_token_setup", "maybe_enable_token_auth_if_token_available",

@@ -200,7 +200,7 @@ class BenchSpec:
         return self.ray_train_steps if contender == "ray_train" else self.steps
 
 
-SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=300.0,
+SMOKE = dict(steps=6, ray_train_steps=3, repetitions=1, samples=256, hidden=32, timeout_s=600.0,
              checkpoint_mb=4, kill_steps=60, kill_step=15, kill_checkpoint_every=10, input_steps=8,
              input_steps_no_loaders=3, input_workers=2, faults_count=5, faults_steps=3000, node_steps=1500,
              node_window_steps=100, parallel=2)

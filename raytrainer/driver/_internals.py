@@ -68,6 +68,26 @@ def _warn_stale(address: str) -> None:
 
 
 @contextlib.contextmanager
+def quiet_token_auth_notice() -> Iterator[None]:
+    """While it lasts, Ray's notice that a local Ray it starts has token authentication on
+    (or off) is not printed: a WARNING at every run, about a Ray raytrainer started for the
+    run on this machine, which the user did not ask for and cannot act on. Its logger is
+    the module's (ray._private.authentication.authentication_token_setup.logger). Without
+    it: that line again at each run."""
+    import logging
+
+    from ray._private.authentication import authentication_token_setup
+
+    logger = authentication_token_setup.logger
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
 def no_fixed_ports() -> Iterator[None]:
     """While it lasts, a Ray that ray.init starts takes no fixed port: its dashboard agent
     listens on a free port, not on Ray's default 52365 (RayParams' default, which ray.init

@@ -181,7 +181,7 @@ def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
 
     if address is None and _internals.bootstrap_address() is None:
         address = "local"  # what None means here, but never a dead `ray start` head's recorded address
-    with settings():
+    with settings(), _internals.quiet_token_auth_notice():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
 
@@ -386,7 +386,7 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
         return  # another keeper of this folder is starting or up
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with settings(), _internals.no_fixed_ports():
+    with settings(), _internals.no_fixed_ports(), _internals.quiet_token_auth_notice():
         ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False)
     try:
