@@ -151,7 +151,8 @@ def connect(address: str | None = None, **options: Any) -> None:
     global _started_here, connected
     connected = None
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None and not options and keep_minutes() > 0 and _internals.bootstrap_address() is None:
+    joins = None if address else _internals.bootstrap_address()  # a live `ray start` head, which ray.init joins
+    if address is None and joins is None and not options and keep_minutes() > 0:
         held = _hold_kept()
         if held is not None:
             if held.auth_mode == "token":
@@ -165,7 +166,7 @@ def connect(address: str | None = None, **options: Any) -> None:
                 print(f"raytrainer: warning: could not join the local Ray kept at {held.address} "
                       f"({type(exc).__name__}: {exc}); `raytrainer down` stops it. Starting a Ray for this run.",
                       file=sys.stderr)
-                return _start_for_this_run(address, options)
+                return _start_for_this_run("local", options)
             _started_here = True
             connected = "kept, started" if held.started else "kept, joined"
             if held.started:
@@ -173,14 +174,13 @@ def connect(address: str | None = None, **options: Any) -> None:
                       f"{keep_minutes():g} idle minutes, or at `raytrainer down` ({KEEP_ENV}=0: a Ray per run)",
                       file=sys.stderr)
             return
-    _start_for_this_run(address, options)
+    # "local": what None means with no live head, but never a dead head's recorded address.
+    _start_for_this_run(address if address or joins else "local", options)
 
 
 def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
     import ray
 
-    if address is None and _internals.bootstrap_address() is None:
-        address = "local"  # what None means here, but never a dead `ray start` head's recorded address
     with settings(), _internals.quiet_token_auth_notice():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
