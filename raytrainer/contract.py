@@ -195,10 +195,13 @@ class ReformFailed(Exception):
     formed). The group is left with every live worker idle; `failures` are the causes,
     to count, and `dead` every rank now gone (the failed and any killed to unblock the
     rest), with ranks as the group now numbers them; `world_size`, where given, how many
-    ranks it now numbers (dead ones included)."""
+    ranks it now numbers (dead ones included). `renumbered`, where the attempt had
+    renumbered the ranks before it failed: (the ranks it kept, in their new order, then its
+    newcomers; the ranks it left behind), both as numbered before it."""
 
-    def __init__(self, failures: list[Failure], dead: list[int], world_size: int | None = None):
-        self.failures, self.dead, self.world_size = failures, dead, world_size
+    def __init__(self, failures: list[Failure], dead: list[int], world_size: int | None = None,
+                 renumbered: tuple[list[int], list[int]] | None = None):
+        self.failures, self.dead, self.world_size, self.renumbered = failures, dead, world_size, renumbered
         super().__init__("; ".join(f"rank {f.rank} {f.kind}: {f.cause}" for f in failures))
 
 

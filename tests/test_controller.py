@@ -306,6 +306,37 @@ def test_a_lost_worker_with_no_spare_up_is_left_behind_and_its_replacement_joins
         (2, 1, "failure: rank 1 died"), (1, 2, "lost workers replaced")]
 
 
+def test_a_recovery_in_two_attempts_counts_every_rank_it_left_behind(tmp_path):
+    """Two of three workers killed close together: the first attempt leaves rank 1 behind
+    and renumbers rank 2 as 1, which dies before the group forms; the second attempt leaves
+    that one behind too. The recovery says both, as numbered when it began (the bench and
+    the regrow count on it), and so does its resize."""
+    three = NODES + [Node("10.0.0.3", pid=300)]
+
+    class ThreeGroup(RegrowingGroup):
+        def start(self):
+            return three
+
+        def setup(self, resume=None):
+            return Formed(three, total_steps=3)
+
+        def joinable(self):
+            return 0
+
+    renumbered = ReformFailed([died(1)], [1], world_size=2, renumbered=([0, 2], [1]))
+    alone = Reformed(step=1, nodes=three[:1], source=0, dropped=[1])
+    group = ThreeGroup([Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0), interrupted(2)]),
+                        Poll(rows(2, 3), done=True, result=WEIGHTS)], [renumbered, alone])
+    controller, events = recovering(tmp_path, group, max_failures=2)
+    assert controller.run() == WEIGHTS
+    events.close()
+    log = read(tmp_path / "events.jsonl")
+    (recovered,) = [e for e in log if e["event"] == "recovered"]
+    assert recovered["attempts"] == 2 and recovered["dropped"] == [1, 2]
+    assert [(e["old_world_size"], e["new_world_size"], e["dropped"]) for e in log if e["event"] == "resized"] == [
+        (3, 1, [1, 2])]
+
+
 def test_a_ready_spare_or_exactness_keeps_the_world_size(tmp_path):
     for name, spares, recovery in (("spare", (1,), "fast"), ("exact", (), "exact")):
         same = Reformed(step=1, nodes=NODES, source=0, replaced=[1])

@@ -96,7 +96,10 @@ def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(und
     result = run.result()
 
     recovered = of(result.events, "recovered")
-    assert all(r["steps_lost"] == 0 for r in recovered), recovered
+    # At most the step in flight: a rank can finish a step (and report it) while the others
+    # still wait for its last bytes of the all-reduce, which its kill then resets (Gloo
+    # fails the op on the reset, seen in CI at load 14): they redo that one step.
+    assert all(r["steps_lost"] <= 1 for r in recovered), outline(result.events)
     assert sum(1 for f in of(result.events, "worker_failed") if f["kind"] in ("died", "hung")) == 5
     steps = [r["step"] for r in result.history if "loss" in r]
     # Every step once; a row being reduced as a worker died is lost with it (not the step).
@@ -110,6 +113,14 @@ def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(und
     for key, value in weights(result.run_dir).items():
         torch.testing.assert_close(value, base[key], rtol=1e-4, atol=1e-5)
     assert_no_leaks()
+
+
+def outline(events):
+    """The run's failures, recoveries and resizes, one short line each (for a failure's message)."""
+    keys = ("step", "rank", "kind", "steps_lost", "state_from", "source_rank", "attempts", "spares", "dropped",
+            "old_world_size", "new_world_size", "why")
+    return "\n".join(f"{e['event']} " + " ".join(f"{k}={e[k]}" for k in keys if k in e) for e in events
+                     if e["event"] in ("worker_failed", "recovered", "resized", "group_formed"))
 
 
 def world_size(events):

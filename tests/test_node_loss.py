@@ -67,7 +67,7 @@ def test_a_node_with_two_workers_lost_is_one_recovery(cluster, tmp_path):
     failed = [e for e in result.events if e["event"] == "worker_failed"]
     recovered = [e for e in result.events if e["event"] == "recovered"]
     assert sorted(f["rank"] for f in failed) == sorted(on_two) and all(f["kind"] in ("died", "hung") for f in failed)
-    assert len(recovered) == 1 and recovered[0]["dropped"] == sorted(on_two) and recovered[0]["steps_lost"] == 0
+    assert len(recovered) == 1 and recovered[0]["dropped"] == sorted(on_two) and recovered[0]["steps_lost"] <= 1  # the step in flight
     assert recovered[0]["source_rank"] not in on_two
     resized = [(e["old_world_size"], e["new_world_size"]) for e in result.events if e["event"] == "resized"]
     assert resized[0] == (3, 1) and resized[-1][1] == 3 and [r["world_size"] for r in result.history][-1] == 3

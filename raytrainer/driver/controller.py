@@ -49,7 +49,7 @@ import enum
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -309,6 +309,10 @@ class Controller:
         ahead = max([self._train_step] + [f.step for f in failures if f.step is not None]
                     + [seen[0][0] for seen in self._seen.values() if seen[0]])
         old_world, attempts = self.world, 0
+        # Each rank's number when the recovery began (None: a newcomer since), and the ranks
+        # left behind by attempts that failed after renumbering them.
+        origin: list[int | None] = list(range(self.world))
+        left: list[int] = []
         while True:
             attempts += 1
             self._log_failures(failures)
@@ -344,6 +348,10 @@ class Controller:
             except ReformFailed as exc:  # lost again while re-forming: one more failure
                 failures, lost = exc.failures, exc.dead
                 self.world = exc.world_size or self.world  # as the group numbers its ranks now
+                if exc.renumbered is not None:
+                    kept, dropped = exc.renumbered
+                    left += [origin[r] for r in dropped if origin[r] is not None]
+                    origin = [origin[r] for r in kept] + [None] * (self.world - len(kept))
             except NoSurvivors as exc:
                 self.group.shutdown()
                 try:
@@ -356,6 +364,10 @@ class Controller:
                 reformed = None
                 break
         self.step = step
+        if reformed is not None:  # every rank left behind, as numbered when the recovery began
+            reformed = replace(reformed, dropped=sorted(
+                left + [origin[r] for r in reformed.dropped if origin[r] is not None]))
+            how["dropped"] = reformed.dropped
         seconds = round(time.monotonic() - t0, 3)
         self.events.log("recovered", step=step, seconds=seconds, steps_lost=max(0, ahead - step),
                         failures=self.policy.failures, attempts=attempts, cause=decision.reason, **how)

@@ -270,10 +270,11 @@ class RayWorkerGroup:
                 calls[rank] = (holders[old].position != at.position, state_ref)
             else:
                 calls[rank] = (None, state_ref)
+        dropped = [r for r in dead + starting + leave if r not in placed]
         try:
             self.forming.form(calls, self.use_gpu)
         except ReformFailed as exc:
-            raise ReformFailed(exc.failures, exc.dead, len(roster.actors)) from None
+            raise ReformFailed(exc.failures, exc.dead, len(roster.actors), renumbered=(keep, dropped)) from None
         from_copy = self.copies.holder is not None and not holders
         self.copies.after_form(roster, getattr(self.forming, "secured", None))
         self.forming.clear()
@@ -281,7 +282,7 @@ class RayWorkerGroup:
         return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
                         state_from="memory" if source is not None else "copy" if from_copy else "object_store",
                         replaced=sorted(r for r in placed if r in dead or r in starting),
-                        dropped=[r for r in dead + starting + leave if r not in placed], moved=sorted(moved),
+                        dropped=dropped, moved=sorted(moved),
                         added=len(joiners),
                         resynced=[r for r in holders if holders[r].position != at.position])
 
@@ -366,15 +367,16 @@ class RayWorkerGroup:
         roster.nodes = [placed.get(r) or roster.nodes[r] for r in keep] + [node for _, _, node in joiners]
         # Until the group has formed, any attempt can re-shard from these, whoever is left.
         self.forming.resharding = (step, parts)
+        dropped = [r for r in dead + leave if r not in placed]
         try:
             self.forming.form({rank: (None, load) for rank, load in enumerate(loads)}, self.use_gpu)
         except ReformFailed as exc:
-            raise ReformFailed(exc.failures, exc.dead, len(roster.actors)) from None
+            raise ReformFailed(exc.failures, exc.dead, len(roster.actors), renumbered=(keep, dropped)) from None
         self.forming.clear()
         self._restock()
         return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
                         replaced=sorted(r for r in placed if r in dead),
-                        dropped=[r for r in dead + leave if r not in placed], moved=sorted(moved),
+                        dropped=dropped, moved=sorted(moved),
                         added=len(joiners), snapshot_step=step, peers=peers)
 
     def _same_size_from_peers(self, dead: list[int]) -> Reformed:
