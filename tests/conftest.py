@@ -1,4 +1,5 @@
 import atexit
+import contextlib
 import os
 import shutil
 import sys
@@ -56,7 +57,12 @@ def _connect(to: str, **options) -> None:
     if ray.is_initialized():
         ray.shutdown()  # a local Ray this process started stops; a cluster is only left
     _connected["to"] = None
-    ray.init(address=to, logging_level="WARNING", **options)
+    from raytrainer.driver.localray import settings
+
+    # The local Ray as raytrainer starts one by default (RAY_SETTINGS: its workers at nice 0,
+    # no task events or metrics kept); a cluster runs as a user's `ray start` does.
+    with settings() if to == "local" else contextlib.nullcontext():
+        ray.init(address=to, logging_level="WARNING", **options)
     _connected["to"] = to
 
 

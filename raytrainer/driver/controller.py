@@ -50,7 +50,6 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable
 
 from ..callbacks import Callbacks, RunContext
@@ -59,8 +58,8 @@ from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resu
 from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, Stopped,
                       WorkerError, warn)
 from .metrics import EventLog, MetricsHub
-from .policy import (FailurePolicy, blame, draining_ranks, leave_draining_nodes, poll_wait, progressed, replacing,
-                     root_causes)
+from .policy import FailurePolicy, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
+from .watchdog import Watchdog
 
 
 class State(enum.Enum):
@@ -159,11 +158,7 @@ class Controller:
         # The last training and validation rows recorded: rows re-sent by workers that
         # redo steps after a recovery (replayed from a snapshot or a checkpoint) are dropped.
         self._train_step, self._val_step = 0, -1
-        self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (its progress, when it last moved)
-        self._answered: dict[int, tuple[Any, float]] = {}  # rank -> (its last status, when)
-        self._status_at = self._reset_at = self._blocked_at = self._silent_at = 0.0
-        self._hung_now: list[Failure] = []
-        self._quiet: set[int] = set()  # the ranks that did not answer the last ask (_silent)
+        self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, self._node_ip)
         self._gave_up: str | None = None
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
 
@@ -190,8 +185,8 @@ class Controller:
                 if poll.done:
                     self.result = poll.result
                     self.state = State.FINISHED
-                elif poll.failures or self._hung():
-                    self._recover(poll.failures + self._hung_now)
+                elif poll.failures or (hung := self._hung()):
+                    self._recover(poll.failures + hung)
                 elif len(self._paused) == self.world:
                     if self.stop_signal is not None:
                         self._stop()
@@ -247,7 +242,7 @@ class Controller:
                         seconds=round(time.monotonic() - t0, 3), total_steps=formed.total_steps,
                         steps_per_epoch=formed.steps_per_epoch)
         self.group.launch()
-        self._reset_progress()
+        self.watchdog.reset()
         return resume
 
     def _setup(self, resume: Resume | None) -> tuple[Formed, Resume | None]:
@@ -284,7 +279,7 @@ class Controller:
             return self.poll_interval_s
         due = [self._drain_at + self.drain_check_s]
         if self.failure.step_timeout_s is not None:
-            due.append(self._status_at + 1.0)  # the hang check (_hung)
+            due.append(self.watchdog.checked_at + 1.0)  # the hang check
         if self.world < self.max_workers and self._pause_asked is None:
             due.append(self._grow_at + self.grow_check_s)
         return poll_wait(time.monotonic(), due, self.poll_interval_s, self.max_poll_s)
@@ -306,8 +301,8 @@ class Controller:
                 return
             failures = list(failed.values())
             lost = sorted(r for r, f in failed.items() if f.kind in ("died", "hung") or r in killed)
-        ahead = max([self._train_step] + [f.step for f in failures if f.step is not None]
-                    + [seen[0][0] for seen in self._seen.values() if seen[0]])
+        ahead = max([self._train_step, self.watchdog.furthest_step()]
+                    + [f.step for f in failures if f.step is not None])
         old_world, attempts = self.world, 0
         # Each rank's number when the recovery began (None: a newcomer since), and the ranks
         # left behind by attempts that failed after renumbering them.
@@ -396,7 +391,7 @@ class Controller:
         # down, worker/dist.py): every survivor is to re-form anyway.
         self.group.abort([r for r in range(self.world) if r not in failed])
         stopped_at: float | None = None  # when a survivor first stopped, holding its state
-        self._quiet = set()
+        self.watchdog.settling()
         while True:
             settled = set(failed) | set(finished) | set(self._paused)
             # A worker that raised still holds its connections (its DDP keeps the process
@@ -411,13 +406,13 @@ class Controller:
             if stopped_at is None and any(f.kind == "interrupted" for f in failed.values()):
                 stopped_at = time.monotonic()
             if stopped_at is not None and time.monotonic() - stopped_at > self.SILENT_AFTER_S:
-                for rank in self._silent(exclude=settled):
+                for rank in self.watchdog.silent(exclude=settled):
                     self.group.kill(rank)
                     killed.add(rank)
                     absorb([Failure(rank, "died", "the worker died: it did not answer once its peers had "
                                     "stopped (its process, or its node, is gone)", None, self._node_ip(rank))])
             if stopped_at is not None and time.monotonic() - stopped_at > self.UNBLOCK_AFTER_S:
-                for rank in self._blocked(exclude=settled):
+                for rank in self.watchdog.blocked(exclude=settled):
                     self.group.kill(rank)
                     killed.add(rank)
                     absorb([Failure(rank, "interrupted", "still waiting in a collective for peers that had "
@@ -426,8 +421,7 @@ class Controller:
             poll = self._poll()
             finished.update(poll.finished)
             absorb(poll.failures)
-            if self._hung(exclude=settled):
-                absorb(self._hung_now)
+            absorb(self._hung(exclude=settled))
 
     # After a survivor stopped with its state, how long the others get to stop before those
     # still waiting in a collective are killed: a last resort, for a collective that the
@@ -438,31 +432,6 @@ class Controller:
     # After a survivor stopped, how long Ray gets to report a worker's death itself (with its
     # cause: an OOM kill, a segfault) before one that does not answer is taken for dead.
     SILENT_AFTER_S = 0.5
-
-    def _silent(self, exclude: set[int]) -> list[int]:
-        """The workers (not in `exclude`) that answered neither of the last two asks of their
-        control channel (half a second each, at most twice a second). Once a survivor has
-        stopped, one that has not stopped and does not answer is gone: a worker whose node
-        was lost with it is known dead to Ray only seconds later (2.6 s in the bench's node
-        run) and its peers, which stopped at once, would wait for that. Two asks, not one:
-        on a loaded machine one answer can take longer than half a second, and a worker
-        taken for dead is killed."""
-        now = time.monotonic()
-        if now - self._silent_at < 0.5:
-            return []
-        self._silent_at = now
-        quiet = {r for r, s in enumerate(self.group.status(timeout=0.5)) if r not in exclude and s is None}
-        gone, self._quiet = sorted(quiet & self._quiet), quiet
-        return gone
-
-    def _blocked(self, exclude: set[int]) -> list[int]:
-        """The workers (not in `exclude`) in a collective now, asked at most once a second."""
-        now = time.monotonic()
-        if now - self._blocked_at < 1.0:
-            return []
-        self._blocked_at = now
-        return [r for r, s in enumerate(self.group.status()) if r not in exclude and s is not None
-                and s.phase == "collective"]
 
     def _node_ip(self, rank: int) -> str | None:
         return self._nodes[rank].ip if rank < len(self._nodes) else None
@@ -567,7 +536,7 @@ class Controller:
         self.world, self._nodes = reformed.world_size, reformed.nodes
         self._paused, self._pause_asked, self._leaving = {}, None, {}
         self.group.launch()
-        self._reset_progress()
+        self.watchdog.reset()
         return reformed
 
     def _note_size(self) -> None:
@@ -639,71 +608,8 @@ class Controller:
                         seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped,
                         pids=[n.pid for n in reformed.nodes])
 
-    def _hung(self, exclude: set[int] = frozenset()) -> bool:
-        """Check, about once a second, for workers that made no progress within
-        failure.step_timeout_s, on their own clock (policy.progressed: a worker that runs, or
-        waits for a core on a loaded machine, is working, however slowly); kill those to
-        blame (policy.blame: not the ones waiting for them in a collective), with their
-        stacks and collectives dumped where they answer, and keep them in `_hung_now`."""
-        self._hung_now: list[Failure] = []
-        timeout = self.failure.step_timeout_s
-        now = time.monotonic()
-        if timeout is None or now - self._status_at < 1.0:
-            return False
-        self._status_at = now
-        statuses = self.group.status()
-        for rank, status in enumerate(statuses):
-            if status is None:
-                continue
-            last, at = self._answered.get(rank, (None, now))
-            if rank not in self._seen or progressed(last, status, now - at):
-                self._seen[rank] = ((status.step, status.progress, status.phase), now)
-            self._answered[rank] = (status, now)
-        stalled = {r: statuses[r] for r in range(len(statuses))
-                   if r not in exclude and now - self._seen.get(r, (None, self._reset_at))[1] > timeout}
-        if not stalled:
-            return False
-        moving = [r for r in range(len(statuses)) if r not in exclude and r not in stalled]
-        culprits = blame(stalled, recovering=self.state is State.RECOVERING, others_progress=bool(moving))
-        if not culprits:
-            return False
-        for rank in range(len(statuses)):
-            if rank not in culprits:  # it may wait for a culprit: a fresh timeout to see it gone
-                self._seen[rank] = (self._seen.get(rank, (None, now))[0], now)
-        for rank in culprits:
-            status = stalled[rank]
-            if status is None:
-                where = ("it did not answer at all (frozen: stopped, paused, or holding the GIL), "
-                         "so no stacks could be read")
-                last = self._seen.get(rank, (None, 0.0))[0]
-                step = last[0] if last else self.step
-            else:
-                where = self._dump(rank, status.step)
-                step = status.step
-            self.group.kill(rank)
-            self._hung_now.append(Failure(
-                rank, "hung", f"no progress for {timeout:g} s (failure.step_timeout_s) "
-                f"{'in ' + status.phase + ' code ' if status else ''}after step {step}; {where}", step,
-                self._node_ip(rank)))
-        return True
-
-    def _dump(self, rank: int, step: int) -> str:
-        """Write a hung worker's stacks and flight record of collectives into the run directory."""
-        stacks = self.group.dump_stacks(rank)
-        if stacks is None:
-            return "its stacks could not be read (the process did not answer)"
-        if self.ctx.run_dir is None:
-            return "stacks:\n" + stacks
-        path = Path(self.ctx.run_dir) / f"stacks-rank{rank}-step{step}.txt"
-        path.write_text(stacks)
-        record = self.group.flight_record(rank)
-        if record:
-            (Path(self.ctx.run_dir) / f"collectives-rank{rank}-step{step}.json").write_bytes(record)
-        return f"stacks in {path}" + (" (its collectives beside them)" if record else "")
-
-    def _reset_progress(self) -> None:
-        self._seen, self._answered = {}, {}
-        self._status_at = self._reset_at = time.monotonic()
+    def _hung(self, exclude: set[int] = frozenset()) -> list[Failure]:
+        return self.watchdog.hung(self.step, recovering=self.state is State.RECOVERING, exclude=exclude)
 
     def _record(self, rows: list[dict[str, Any]]) -> None:
         # A training row at or before the last one recorded was re-sent by a worker that
