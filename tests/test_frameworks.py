@@ -157,10 +157,14 @@ def test_a_lightning_trainer_reports_its_logged_metrics_and_validations(lightnin
 def test_a_lightning_trainer_recovers_a_killed_worker_from_memory(lightning_undisturbed, tmp_path):
     """Killed anywhere, maybe in the second epoch: Lightning resumes mid-epoch from the
     survivor's state at the batch it stopped at (raytrainer's dataloader)."""
-    result, recovered = killed_once(loop_config(tmp_path, "pl", LIGHTNING, step_sleep_s=0.1), 3, 22)
+    ckpt = tmp_path / "ckpt"
+    result, recovered = killed_once(loop_config(tmp_path, "pl", LIGHTNING, step_sleep_s=0.1, ckpt_dir=str(ckpt)),
+                                    3, 22)
     assert recovered["steps_lost"] <= 1
     assert [r["step"] for r in result.history] == list(range(1, 31))
     assert_same_weights(result, lightning_undisturbed)
+    # Every worker resumed from a file there; each was removed once Lightning had read it.
+    assert ckpt.is_dir() and not list(ckpt.iterdir())
     assert_no_leaks()
 
 

@@ -34,6 +34,7 @@ recovery copies; a sharded Lightning run would recover from checkpoints only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -140,6 +141,14 @@ class RaytrainerCallback(pl.Callback):
     # A step is reported at the next hook after it: the model and optimizers are as the step
     # left them until the next batch starts, and a validation run after the step adds its
     # metrics to the step's row.
+    def on_train_start(self, trainer, pl_module):
+        # Lightning has read the file checkpoint_to_resume wrote (Trainer._run: it restores
+        # before the run's stage starts): a recovery's copy of the whole state is not left
+        # on the worker's disk, one more at each recovery.
+        while _written:
+            with contextlib.suppress(OSError):
+                os.remove(_written.pop())
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._flush(trainer)
         if trainer.global_step <= self._last:
@@ -177,13 +186,19 @@ class RaytrainerCallback(pl.Callback):
 
 def checkpoint_to_resume(ctx: Any, directory: str) -> str | None:
     """The `ckpt_path` for Trainer.fit: None at a fresh start, else the state raytrainer
-    holds, as a Lightning checkpoint file in `directory` (this worker's local disk)."""
+    holds, as a Lightning checkpoint file in `directory` (this worker's local disk; its own
+    name, removed by RaytrainerCallback once Lightning has read it)."""
     if ctx.state is None or "lightning" not in ctx.state:
         return None
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"raytrainer-step{ctx.step}-rank{ctx.rank}.ckpt")
+    path = os.path.join(directory, f"raytrainer-{os.getpid()}-step{ctx.step}-rank{ctx.rank}.ckpt")
     torch.save(ctx.state["lightning"], path)
+    _written.append(path)
     return path
+
+
+_written: list[str] = []
+"""The files checkpoint_to_resume wrote in this process that Lightning has not read yet."""
 
 
 def dataloader(ctx: Any, dataset: Any, batch_size: int | None = None, **kwargs: Any) -> torch.utils.data.DataLoader:
