@@ -58,7 +58,8 @@ from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resu
 from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, Stopped,
                       WorkerError, warn)
 from .metrics import EventLog, MetricsHub
-from .policy import FailurePolicy, draining_ranks, leave_draining_nodes, poll_wait, replacing, root_causes
+from .drainwatch import DrainWatch
+from .policy import FailurePolicy, poll_wait, replacing, root_causes
 from .watchdog import Watchdog
 
 
@@ -144,9 +145,6 @@ class Controller:
         self.per_worker_batch = settings.per_worker_batch
         self._short_since: float | None = None  # since when the run trains below min_workers
         self._regrowing = 0  # ranks left behind by a fast recovery, whose replacements are coming
-        self.drain_check_s = settings.drain_check_s
-        self._drain_at = -math.inf  # due at once
-        self._noticed: dict[str, float] = {}  # draining node id -> when we first saw it
         self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
         self._rows_at: list[tuple[float, int]] = []  # (when, step) of the last training rows
         self.hub, self.events, self.progress = records.hub, records.events, records.progress
@@ -159,6 +157,7 @@ class Controller:
         # redo steps after a recovery (replayed from a snapshot or a checkpoint) are dropped.
         self._train_step, self._val_step = 0, -1
         self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, self._node_ip)
+        self.drains = DrainWatch(group, self.events, settings.drain_check_s, self.replace_timeout_s, self._node_ip)
         self._gave_up: str | None = None
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
 
@@ -277,7 +276,7 @@ class Controller:
     def _poll_wait(self) -> float:
         if self.state is not State.RUNNING:  # recovering, resizing: every moment counts
             return self.poll_interval_s
-        due = [self._drain_at + self.drain_check_s]
+        due = [self.drains.checked_at + self.drains.check_s]
         if self.failure.step_timeout_s is not None:
             due.append(self.watchdog.checked_at + 1.0)  # the hang check
         if self.world < self.max_workers and self._pause_asked is None:
@@ -559,39 +558,15 @@ class Controller:
             "scaling.min_workers (or num_workers)")
 
     def _watch_drains(self) -> None:
-        """About once every drain_check_s: find the workers on nodes being drained; start
-        their replacements elsewhere, and once policy.leave_draining_nodes says so, ask the
-        workers to pause, so that the group re-forms without those (`_resize`)."""
-        now = time.monotonic()
-        if self._pause_asked is not None or now - self._drain_at < self.drain_check_s:
+        """Once workers on draining nodes are to leave (DrainWatch), ask every worker to
+        pause, so that the group re-forms without those (`_resize`)."""
+        if self._pause_asked is not None:
             return
-        self._drain_at = now
-        draining = self.group.draining()
-        on = draining_ranks(draining, [n.node_id for n in self._nodes])
-        self._noticed = {node: at for node, at in self._noticed.items() if node in draining}
-        if not on:
-            self.group.replacements([])  # any started for a drain that is over, or left
-            return
-        for node, ranks in on.items():
-            if node not in self._noticed:
-                self._noticed[node] = now
-                deadline = draining[node]
-                self.events.log("node_draining", step=self.step, node=self._node_ip(ranks[0]), node_id=node,
-                                deadline=deadline, ranks=ranks,
-                                seconds_to_deadline=round(deadline - time.time(), 3) if deadline else None)
-        leaving = sorted(r for ranks in on.values() for r in ranks)
-        ready = self.group.replacements(leaving)
-        deadlines = [draining[node] for node in on if draining[node]]
-        go, reason = leave_draining_nodes(
-            leaving=len(leaving), ready=len(ready), world=self.world, min_workers=self.num_workers,
-            seconds_left=min(deadlines) - time.time() if deadlines else None,
-            waited_s=now - min(self._noticed[node] for node in on),
-            replace_timeout_s=self.replace_timeout_s, pause_s=self._pause_estimate())
-        if go:
-            self._leaving = {r: {"node_id": node, "deadline": draining[node], "reason": reason}
-                             for node, ranks in on.items() for r in ranks}
+        leaving = self.drains.check(self._nodes, self.world, self.num_workers, self.step, self._pause_estimate())
+        if leaving:
+            self._leaving = leaving
             self.group.pause()
-            self._pause_asked = now
+            self._pause_asked = time.monotonic()
 
     def _pause_estimate(self) -> float:
         """How long the workers take to reach a common step boundary once asked: the pause
