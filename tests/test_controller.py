@@ -306,6 +306,18 @@ def test_a_lost_worker_with_no_spare_up_is_left_behind_and_its_replacement_joins
         (2, 1, "failure: rank 1 died"), (1, 2, "lost workers replaced")]
 
 
+def test_a_worker_lost_at_the_first_poll_is_recovered_and_counted_once(tmp_path):
+    """No poll before it: the failure is all the controller knows (no hang check has run)."""
+    same = Reformed(step=0, nodes=NODES, source=0, replaced=[1])
+    group = RegrowingGroup([Poll(failures=[died(1, step=None)]), Poll(failures=[interrupted(0, step=None)]),
+                            Poll(rows(1, 2, 3), done=True, result=WEIGHTS)], [same], spares=(1,))
+    controller, events = recovering(tmp_path, group, max_failures=1)
+    assert controller.run() == WEIGHTS
+    events.close()
+    (recovered,) = [e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered"]
+    assert (recovered["failures"], recovered["steps_lost"], recovered["spares"]) == (1, 0, [1])
+
+
 def test_a_recovery_in_two_attempts_counts_every_rank_it_left_behind(tmp_path):
     """Two of three workers killed close together: the first attempt leaves rank 1 behind
     and renumbers rank 2 as 1, which dies before the group forms; the second attempt leaves

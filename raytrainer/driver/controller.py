@@ -184,8 +184,10 @@ class Controller:
                 if poll.done:
                     self.result = poll.result
                     self.state = State.FINISHED
-                elif poll.failures or (hung := self._hung()):
-                    self._recover(poll.failures + hung)
+                elif poll.failures:
+                    self._recover(poll.failures)
+                elif hung := self._hung():
+                    self._recover(hung)
                 elif len(self._paused) == self.world:
                     if self.stop_signal is not None:
                         self._stop()
