@@ -14,6 +14,7 @@ from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.driver.policy import LEAVE_MARGIN_S, choose_source, draining_ranks, leave_draining_nodes
 
 from .ray_procs import parent
+from .waits import patience
 
 # ---------------------------------------------------------------------- the policy alone
 
@@ -174,10 +175,10 @@ def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
 STEPS = 60
 
 
-def config(tmp_path, name, slow_while=None, **scaling):
+def config(tmp_path, name, slow_while=None, sleep_s=0.3, **scaling):
     # No dropout: its masks are drawn per rank, so a run that shrinks would not end near
     # the undisturbed one (that the streams survive a re-form is test_node_loss's check).
-    args = {"dropout": 0.0, "sleep_s": 0.3, "slow_while": slow_while}
+    args = {"dropout": 0.0, "sleep_s": sleep_s, "slow_while": slow_while}
     return {
         "task": {"target": "tests.tasks:ElasticTask", "args": args},
         "trainer": {"max_steps": STEPS, "global_batch_size": 48, "log_every_n_steps": 1},
@@ -203,9 +204,10 @@ def base(cluster, tmp_path_factory):
     return Run(config(tmp_path_factory.mktemp("base"), "base")).result()
 
 
-def drain_rank_1(cluster, run, add_node=False):
-    """Drain the node of rank 1, 30 s ahead (after adding a node, if asked); wait for its
-    workers to leave; return the node, the deadline and the `left_node` event."""
+def drain_rank_1(cluster, run, add_node=False, ahead_s=30.0):
+    """Drain the node of rank 1, `ahead_s` ahead (after adding a node, if asked); wait for its
+    workers to leave, which they must by the deadline; return the node, the deadline and the
+    `left_node` event."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
@@ -214,14 +216,14 @@ def drain_rank_1(cluster, run, add_node=False):
     drained = raylets[parent(run.pids()[1])]
     if add_node:
         cluster.add_node(num_cpus=1)  # room for its replacement
-    deadline = time.time() + 30
+    deadline = time.time() + ahead_s
     accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
         drained.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
         "spot instance reclaimed (test)", int(deadline * 1000))
     assert accepted, why
     t0 = time.monotonic()
     while not (left := [e for e in run.events() if e["event"] == "left_node"]):
-        assert time.monotonic() - t0 < 30, f"the workers did not leave the drained node: {run.events()}"
+        assert time.monotonic() - t0 < ahead_s + 5, f"the workers did not leave the drained node: {run.events()}"
         time.sleep(0.2)
     raylet = drained.all_processes["raylet"][0].process.pid
     assert not [pid for pid in left[0]["pids"] if parent(pid) == raylet], "a worker is still on the drained node"
@@ -244,8 +246,12 @@ def test_a_node_drained_for_preemption_is_left_before_its_deadline(cluster, base
 
     slow = tmp_path / "slow"  # the run goes slowly while it exists
     slow.touch()
-    run = Run(config(tmp_path, "drained", str(slow)))
-    drained, deadline, left = drain_rank_1(cluster, run, add_node=True)
+    # The replacement starts on a node added now: at a load of 15 that took longer than the
+    # rest of a run paced for a quiet machine, which then ended before the leave. The notice
+    # and the pace follow the machine: the run outlasts the deadline, whatever its load.
+    ahead = patience(30)
+    run = Run(config(tmp_path, "drained", str(slow), sleep_s=ahead / 40))
+    drained, deadline, left = drain_rank_1(cluster, run, add_node=True, ahead_s=ahead)
     # The moved worker's slot is given back at once: a bundle kept reserved on the drained node
     # goes RESCHEDULING once it is gone, and Ray's GCS spins on it while the cluster has no
     # room (the survivors then trained at 0.44 steps/s instead of 11).
