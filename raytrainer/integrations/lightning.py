@@ -138,9 +138,6 @@ class RaytrainerCallback(pl.Callback):
                             f"{type(trainer.strategy).__name__}: the state reported is the checkpoint that "
                             "strategy keeps in memory")
 
-    # A step is reported at the next hook after it: the model and optimizers are as the step
-    # left them until the next batch starts, and a validation run after the step adds its
-    # metrics to the step's row.
     def on_train_start(self, trainer, pl_module):
         # Lightning has read the file checkpoint_to_resume wrote (Trainer._run: it restores
         # before the run's stage starts): a recovery's copy of the whole state is not left
@@ -149,6 +146,9 @@ class RaytrainerCallback(pl.Callback):
             with contextlib.suppress(OSError):
                 os.remove(_written.pop())
 
+    # A step is reported at the next hook after it: the model and optimizers are as the step
+    # left them until the next batch starts, and a validation run after the step adds its
+    # metrics to the step's row.
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._flush(trainer)
         if trainer.global_step <= self._last:
