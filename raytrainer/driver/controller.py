@@ -140,7 +140,6 @@ class Controller:
         self._grow_at = -math.inf  # due at once
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
-        self.replace_timeout_s = settings.replace_timeout_s
         self.placement_timeout_s = settings.placement_timeout_s
         self.per_worker_batch = settings.per_worker_batch
         self._short_since: float | None = None  # since when the run trains below min_workers
@@ -157,7 +156,8 @@ class Controller:
         # redo steps after a recovery (replayed from a snapshot or a checkpoint) are dropped.
         self._train_step, self._val_step = 0, -1
         self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, self._node_ip)
-        self.drains = DrainWatch(group, self.events, settings.drain_check_s, self.replace_timeout_s, self._node_ip)
+        self.drains = DrainWatch(group, self.events, settings.drain_check_s, settings.replace_timeout_s,
+                                 self._node_ip)
         self._gave_up: str | None = None
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
 
