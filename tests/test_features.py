@@ -234,6 +234,31 @@ def _nonfinite_on_rank_one(rank, world_size, strategy, mode):
     return loop.step, loop.nonfinite_skips
 
 
+class HugeLossEverywhere(FeatureTask):
+    """At step 3 every rank's loss is finite, 3e38, and their float32 sum is not."""
+
+    def train_step(self, model, batch):
+        out = super().train_step(model, batch)
+        if self.steps == 3:
+            out["loss"] = out["loss"] * 0 + 3e38
+        return out
+
+
+def _huge_sum(rank, world_size):
+    loop = Loop(HugeLossEverywhere(), LoopSettings(trainer=TrainerConfig(max_steps=5, global_batch_size=32)),
+                Outlets(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    with pytest.raises(NonFiniteLoss) as info:
+        loop.fit()
+    return loop.step, str(info.value)
+
+
+def test_a_sum_over_ranks_that_overflows_stops_the_run_and_names_no_rank():
+    from .dist_procs import run_ranks
+
+    for step, why in run_ranks(_huge_sum, 2):
+        assert step == 2 and why.startswith("step 3: the loss is inf (the sum over ranks overflows).")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_every_rank_stops_or_skips_the_same_step_when_one_ranks_loss_is_not_finite(strategy):
     from .dist_procs import run_ranks

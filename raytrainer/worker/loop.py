@@ -35,7 +35,6 @@ nothing half-done, to be regrouped.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfi
 from ..contract import Reshard, Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
-from ..errors import ConfigError, NonFiniteLoss, TaskError
+from ..errors import ConfigError, TaskError
 from .input import ValInput, build_train_input, dataset_size
 from .saver import CheckpointSaver
 from .schedule import build_lr_schedule
@@ -60,6 +59,7 @@ from .stopping import EarlyStopping
 from .strategy import build_strategy
 from ..task import Task
 from .validation import AsyncValidation
+from .nonfinite import NonFiniteSteps, what_is_not_finite
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
@@ -174,8 +174,7 @@ class Loop:
         self.phase = "framework"  # or "user": in the task's code (or the data), not in ours
         self._after_pending = False  # the work after self.step (validation, ...) is not done
         self.skipped_steps = 0
-        self.nonfinite_skips = 0  # steps dropped for a non-finite loss (trainer.nonfinite: skip)
-        self._skips_in_row = 0
+        self.nonfinite = NonFiniteSteps(cfg.nonfinite, cfg.nonfinite_max_skips, self.notify)
         self.stop_reason: str | None = None
         self.stopping = EarlyStopping(cfg.early_stopping)
         self.chaos = Chaos(list(settings.chaos), cfg.seed, self.notify, outlets.chaos_claim)
@@ -228,6 +227,7 @@ class Loop:
     optimizer = property(lambda self: self.train.optimizer)
     scheduler = property(lambda self: self.train.scheduler)
     scaler = property(lambda self: self.train.scaler)
+    nonfinite_skips = property(lambda self: self.nonfinite.skips)  # steps dropped (trainer.nonfinite: skip)
     ema = property(lambda self: self.train.ema)
 
     # ------------------------------------------------------------------ loop
@@ -332,20 +332,18 @@ class Loop:
                     batch = to_device(next(batches), self.device)
                     with self._autocast():
                         out = self.task.train_step(self.model, batch)
-                loss = self._loss_of(out) / divisor
-                values = self._stack(out, "train") / divisor
+                loss, values = self._loss_of(out), self._stack(out, "train")
+                if divisor != 1:  # one micro-batch a step: nothing to divide (x / 1 is x)
+                    loss, values = loss / divisor, values / divisor
                 total = values if total is None else total + values
                 if sync and carrier is not None:
-                    carrier.send(self._with_bad_ranks(total), self.pause_requested, self._save_wanted(), self.world_size)
+                    carrier.send(total, self.pause_requested, self._save_wanted(), self.world_size)
                 # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
                 # the last backward.
                 with self._phase("collective") if sync and self.world_size > 1 else _NO_PHASE:
                     (scaler.scale(loss) if scaler else loss).backward()
             self.progress += 1
         carried = carrier.receive() if carrier is not None else None
-        bad_ranks = None
-        if carried is not None and self.cfg.nonfinite != "off":  # its column rode before the pause flag
-            bad_ranks, carried = carried[-2], torch.cat([carried[:-2], carried[-1:]])
 
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
@@ -355,7 +353,17 @@ class Loop:
             norm = norm.detach().float().reshape(1).to(total.device)
         applied = True
         if self.cfg.nonfinite != "off":
-            applied = self._finite_or_skip(step, total, carried, bad_ranks, norm)
+            if carried is not None:
+                carried = carried.tolist()  # the step's one copy to the host: the check's, and the window's
+            what = what_is_not_finite(step, self._train_keys.index("loss"), total, carried, norm, rank=self.rank,
+                                      world_size=self.world_size, grads=scaler is None, module=self.module,
+                                      waiting=lambda: self._phase("collective"))
+            if what is None:
+                self.nonfinite.finite()
+            else:
+                self.nonfinite.drop(step, what, self.rank)  # or the run stops here
+                self.train.abandon_step()  # its gradients and BatchNorm statistics go; the data moves on
+                applied = False
         if self.cfg.grad_clip_norm is not None:
             # The norm of all-reduced gradients is the same on every rank: carried steps
             # report it as it is; a window reduces it with the rest.
@@ -395,7 +403,7 @@ class Loop:
         if scaler is not None:
             info["skipped_steps"] = self.skipped_steps
         if self.cfg.nonfinite == "skip":
-            info["nonfinite_skips"] = self.nonfinite_skips
+            info["nonfinite_skips"] = self.nonfinite.skips
         self.window.add(info, total, carried)
         if self.chaos.due:
             with self._in_user_code():
@@ -461,82 +469,6 @@ class Loop:
         self._pause_agreed |= self.window.flush(keys, self.world_size, pause_requested=self.pause_requested,
                                                 wait=wait, save_requested=ask)
 
-    # ------------------------------------------------------------------ non-finite steps
-
-    def _with_bad_ranks(self, total: torch.Tensor) -> torch.Tensor:
-        """The step's metrics for the gradient all-reduce, with one more column where the
-        loss is checked: 2**rank if this rank's loss is not finite. Its sum names the ranks
-        (exactly up to 24 of them), and the loss column's sum is not finite on every rank
-        alike: all ranks agree on the step with no collective of its own."""
-        if self.cfg.nonfinite == "off":
-            return total
-        bad = ~torch.isfinite(total[self._train_keys.index("loss")])
-        return torch.cat([total, (bad.float() * 2.0 ** min(self.rank, 120)).reshape(1)])
-
-    def _finite_or_skip(self, step: int, total: torch.Tensor, carried: torch.Tensor | None,
-                        bad_ranks: torch.Tensor | None, norm: torch.Tensor | None) -> bool:
-        """Whether step `step`'s update may be applied: its loss (and gradient norm, where
-        computed) finite on every rank. One copy to the host, of values every rank has
-        alike: the loss summed over ranks where the metrics rode on the gradient all-reduce
-        (DDP), this rank's on its own, and for sharded gradients, whose loss is not summed
-        anywhere, whether this rank's gradient shards are finite (a NaN loss on any rank
-        makes every shard NaN in the reduce-scatter). Under fp16 the gradients are the
-        scaler's to judge (an overflow is skipped and counted, skipped_steps). Otherwise the
-        run stops here (NonFiniteLoss), or, with `skip`, the step is undone and counted."""
-        loss_col = self._train_keys.index("loss")
-        sharded = carried is None and self.world_size > 1
-        parts = [(carried if carried is not None else total)[loss_col].reshape(1).float()]
-        parts.append(bad_ranks.reshape(1) if bad_ranks is not None else total[loss_col].reshape(1).float())
-        grads = self.scaler is None
-        if grads and norm is not None:
-            parts.append(norm.reshape(1))
-        elif grads and sharded:
-            shards = [g.to_local() if hasattr(g, "to_local") else g
-                      for g in (p.grad for p in self.module.parameters()) if g is not None]
-            finite = torch.stack([torch.isfinite(g).all() for g in shards]).all() if shards else torch.tensor(True)
-            parts.append(torch.where(finite, 0.0, float("nan")).reshape(1).to(parts[0].device))
-        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
-        loss, other = values[0], values[1]
-        bad_loss = not sharded and not math.isfinite(loss)
-        bad_grads = len(values) > 2 and not math.isfinite(values[2])
-        if not (bad_loss or bad_grads):
-            self._skips_in_row = 0
-            return True
-        if bad_loss:
-            metric = f"the loss is {loss}"
-            if bad_ranks is None:
-                where = f" on rank {self.rank}" if self.world_size == 1 else ""
-            elif 0 < other and self.world_size <= 24:
-                code = int(other)
-                where = " on rank(s) " + ", ".join(str(r) for r in range(self.world_size) if code >> r & 1)
-            else:
-                where = " on some rank(s)"
-        elif norm is not None:
-            metric, where = f"the gradient norm is {values[2]}", f" (the loss, summed over ranks: {loss})"
-        else:
-            metric = "the gradients are not finite"
-            where = f" (the loss on rank {self.rank}: {other})"
-        what = f"step {step}: {metric}{where}"
-        if self.cfg.nonfinite == "stop":
-            raise NonFiniteLoss(
-                f"{what}. The run stops before applying that update (trainer.nonfinite=stop): the weights "
-                "and every committed checkpoint hold finite values. Look for the input that makes it (a "
-                "record with inf or NaN features, a log of 0, a division by zero) or lower the learning "
-                "rate, then `raytrainer resume` the run; or set trainer.nonfinite: skip to drop such steps")
-        self._skips_in_row += 1
-        if self._skips_in_row > self.cfg.nonfinite_max_skips:
-            raise NonFiniteLoss(
-                f"{what}, and the {self._skips_in_row - 1} steps before it were skipped for the same reason: "
-                f"more than trainer.nonfinite_max_skips={self.cfg.nonfinite_max_skips} in a row, so the run "
-                "stops (the weights and checkpoints hold finite values). Look for the input or the "
-                "learning rate that makes it, then `raytrainer resume` the run")
-        self.train.abandon_step()  # its gradients and BatchNorm statistics go; the data moves on
-        self.nonfinite_skips += 1
-        if self.rank == 0:
-            self.notify({"event": "nonfinite_skipped", "step": step, "why": what,
-                         "nonfinite_skips": self.nonfinite_skips})
-        return False
-
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -545,7 +477,7 @@ class Loop:
             **self.train.state_dict(),
             "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
             "loop": {"step": self.step, "epoch": self.epoch, "position": self.position,
-                     "skipped_steps": self.skipped_steps, "nonfinite_skips": self.nonfinite_skips,
+                     "skipped_steps": self.skipped_steps, "nonfinite_skips": self.nonfinite.skips,
                      "best": self.stopping.best,
                      "bad_validations": self.stopping.bad_validations, "after_pending": self._after_pending,
                      "stop_reason": self.stop_reason,
@@ -567,7 +499,7 @@ class Loop:
             )
         self.train.load_state_dict(state)
         self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
-        self.nonfinite_skips = saved.get("nonfinite_skips", 0)
+        self.nonfinite.skips = saved.get("nonfinite_skips", 0)
         if "position" in saved:
             self.epoch, self.position = saved["epoch"], saved["position"]
         else:  # written before the position was saved: always a fixed global batch then
@@ -676,14 +608,9 @@ class Loop:
             for group, lr in zip(self.optimizer.param_groups, saved):
                 group["lr"] = lr
 
-    @contextlib.contextmanager
-    def _phase(self, phase: str):
+    def _phase(self, phase: str) -> _Phase:
         """Where this rank is, for the driver's hang check (see Worker.status)."""
-        outer, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = outer
+        return _Phase(self, phase)
 
     def _in_user_code(self):
         return self._phase("user")
@@ -728,6 +655,22 @@ class Loop:
 
 
 _NO_PHASE = contextlib.nullcontext()
+
+
+class _Phase:
+    """`with loop._phase(p)`: the loop's phase is `p` inside, the outer one again after.
+    A class, not a generator: two of them run in every step."""
+
+    __slots__ = ("loop", "phase", "outer")
+
+    def __init__(self, loop: Any, phase: str):
+        self.loop, self.phase = loop, phase
+
+    def __enter__(self) -> None:
+        self.outer, self.loop.phase = self.loop.phase, self.phase
+
+    def __exit__(self, *exc: Any) -> None:
+        self.loop.phase = self.outer
 
 
 def _seed_all(seed: int, rank: int, step: int, device: torch.device) -> None:

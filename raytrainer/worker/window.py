@@ -79,16 +79,18 @@ class MetricsWindow:
         self.report = report  # where reduced rows go (rank 0: the driver; others: nowhere)
         self._waiting = waiting  # marks the wait for peers (the driver's hang check)
         # (host fields, metrics on the device, their carried sums or None), a step each
-        self._window: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]] = []
+        self._window: list[tuple[dict[str, Any], torch.Tensor | None, Any]] = []
         self._pending: list[tuple[Any, torch.Tensor, list]] = []  # windows being all-reduced
         self.latest: dict[str, float] = {}  # the newest reduced values (what keep_best ranks by)
         self.save_agreed = False  # some rank asked for a checkpoint in what a flush collected
 
-    def add(self, info: dict[str, Any], values: torch.Tensor | None, carried: torch.Tensor | None = None) -> None:
+    def add(self, info: dict[str, Any], values: torch.Tensor | None,
+            carried: torch.Tensor | list[float] | None = None) -> None:
         """A step's row: its host-side fields and its metrics on the device. Either `values`
         is this rank's share, reduced at a flush; or `carried` holds the sums over ranks (the
-        pause flags' last) and `values` only the columns the same on every rank (the gradient
-        norm of all-reduced gradients), or None."""
+        pause flags' last; on the device, or on the host where the step read them already)
+        and `values` only the columns the same on every rank (the gradient norm of
+        all-reduced gradients), or None."""
         self._window.append((info, values, carried))
 
     def flush(self, keys: list[str], world_size: int, *, pause_requested: bool, wait: bool = False,
@@ -106,26 +108,27 @@ class MetricsWindow:
                 values = torch.nn.functional.pad(torch.stack([v for _, v, _ in window]), (0, 1),
                                                  value=encode_flags(pause_requested, save_requested, world_size))
                 self._pending.append((all_reduce_sum(values, async_op=True), values, window))
-        # Each reduced window comes to the host in one copy (a sync on a GPU), its means
-        # computed on the device first; the pause flags are read from that copy.
+        # Each reduced window comes to the host in one copy (a sync on a GPU); the means
+        # and the pause flags are read from that copy.
         while self._pending and (wait or ready is not None or len(self._pending) > 1):
             work, values, window = self._pending.pop(0)
             if work is not None:
                 with self._waiting():
                     work.wait()
-            means = (values / world_size).tolist()
+            means = [[v / world_size for v in sums] for sums in values.tolist()]
             pause, save = decode_flags(means[-1][-1], world_size)
             agreed |= pause
             self.save_agreed |= save
             self._report(keys, window, [m[:-1] for m in means])
         if ready is not None:
-            means = (torch.stack([c for _, _, c in ready]) / world_size).tolist()
-            for m in means:
+            means = []
+            for _, same, sums in ready:  # sums: on the host already where the step checked its loss
+                m = [v / world_size for v in (sums if isinstance(sums, list) else sums.tolist())]
                 pause, save = decode_flags(m[-1], world_size)
                 agreed |= pause
                 self.save_agreed |= save
-            same = torch.stack([v for _, v, _ in ready]).tolist() if ready[0][1] is not None else None
-            self._report(keys, ready, [m[:-1] + same[i] if same else m[:-1] for i, m in enumerate(means)])
+                means.append(m[:-1] + (same.tolist() if same is not None else []))
+            self._report(keys, ready, means)
         return agreed
 
     def _report(self, keys: list[str], window: list, means: list[list[float]]) -> None:
