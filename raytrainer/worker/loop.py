@@ -49,7 +49,7 @@ from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfi
 from ..contract import Reshard, Snapshot
 from ..data import BatchPlan, batch_size_of, to_device
 from .dist import all_reduce_sum
-from ..errors import ConfigError, TaskError
+from ..errors import ConfigError
 from .input import ValInput, build_train_input, dataset_size
 from .saver import CheckpointSaver
 from .schedule import build_lr_schedule
@@ -60,6 +60,7 @@ from .strategy import build_strategy
 from ..task import Task
 from .validation import AsyncValidation
 from .nonfinite import NonFiniteSteps, what_is_not_finite
+from .outputs import StepOutputs
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
@@ -182,8 +183,7 @@ class Loop:
         self._started = False
         self.window = MetricsWindow(self._report if rank == 0 else _drop, lambda: self._phase("collective"))
         self.latest_metrics = self.window.latest  # what keep_best ranks checkpoints by
-        self._train_keys: list[str] | None = None
-        self._val_keys: list[str] | None = None
+        self.outputs = StepOutputs(task, device)  # what train_step and val_step return
         self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
                                      replicated=self.strategy.replicated, rank=rank, on_failure=self._save_failed)
         self.validation = AsyncValidation.build(self, cfg, settings.task, most)  # None: in this loop
@@ -332,7 +332,7 @@ class Loop:
                     batch = to_device(next(batches), self.device)
                     with self._autocast():
                         out = self.task.train_step(self.model, batch)
-                loss, values = self._loss_of(out), self._stack(out, "train")
+                loss, values = self.outputs.loss(out), self.outputs.stack(out, "train")
                 if divisor != 1:  # one micro-batch a step: nothing to divide (x / 1 is x)
                     loss, values = loss / divisor, values / divisor
                 total = values if total is None else total + values
@@ -355,7 +355,7 @@ class Loop:
         if self.cfg.nonfinite != "off":
             if carried is not None:
                 carried = carried.tolist()  # the step's one copy to the host: the check's, and the window's
-            what = what_is_not_finite(step, self._train_keys.index("loss"), total, carried, norm, rank=self.rank,
+            what = what_is_not_finite(step, self.outputs.keys["train"].index("loss"), total, carried, norm, rank=self.rank,
                                       world_size=self.world_size, grads=scaler is None, module=self.module,
                                       waiting=lambda: self._phase("collective"))
             if what is None:
@@ -452,18 +452,18 @@ class Loop:
             if not counted:
                 continue
             n = batch_size_of(batch)
-            values = self._stack(out, "val") * n
+            values = self.outputs.stack(out, "val") * n
             total = values if total is None else total + values
             count += n
         model.train()
         with self._phase("collective"):
             sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
         means = (sums[:-1] / sums[-1]).tolist()
-        return {f"val_{k}": v for k, v in zip(self._val_keys, means)}
+        return {f"val_{k}": v for k, v in zip(self.outputs.keys["val"], means)}
 
     def flush(self, wait: bool = False) -> None:
         """Reduce the buffered steps' metrics over ranks and report them (see window.py)."""
-        keys = (self._train_keys or []) + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
+        keys = (self.outputs.keys["train"] or []) + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
         # Carried steps sent their ask with their gradients (train_step); a window sends it here.
         ask = self.strategy.carrier is None and self._save_wanted()
         self._pause_agreed |= self.window.flush(keys, self.world_size, pause_requested=self.pause_requested,
@@ -622,36 +622,6 @@ class Loop:
 
     def _row(self, step: int, epoch: int, metrics: dict[str, float]) -> dict[str, Any]:
         return {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time(), **metrics}
-
-    def _loss_of(self, out: Any) -> torch.Tensor:
-        loss = out.get("loss") if isinstance(out, dict) else None
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            got = f"a dict with keys {sorted(out)}" if isinstance(out, dict) else type(out).__name__
-            raise TaskError(
-                f"{type(self.task).__name__}.train_step returned {got}; it must return a dict "
-                "with 'loss': a scalar tensor that requires grad"
-            )
-        return loss
-
-    def _stack(self, out: dict[str, Any], kind: str) -> torch.Tensor:
-        """The step's metrics as one float tensor on the device, in a fixed key order."""
-        if not isinstance(out, dict):
-            raise TaskError(f"{type(self.task).__name__}.{kind}_step must return a dict of metrics")
-        attr = f"_{kind}_keys"
-        keys = getattr(self, attr)
-        if keys is None:
-            keys = sorted(out)
-            setattr(self, attr, keys)
-        elif sorted(out) != keys:
-            raise TaskError(
-                f"{type(self.task).__name__}.{kind}_step returned keys {sorted(out)} after "
-                f"{keys} earlier; return the same metrics every step"
-            )
-        return torch.stack([
-            out[k].detach().float().reshape(()) if isinstance(out[k], torch.Tensor)
-            else torch.tensor(float(out[k]), device=self.device)
-            for k in keys
-        ])
 
 
 _NO_PHASE = contextlib.nullcontext()

@@ -43,6 +43,7 @@ from ..data import batch_size_of, to_device
 from ..errors import ConfigError, TaskError
 from .dist import all_reduce_sum
 from .input import ValInput
+from .outputs import StepOutputs
 
 if TYPE_CHECKING:
     from .loop import Loop
@@ -61,25 +62,18 @@ def shard_sums(task: Any, model: torch.nn.Module, batches: Iterator[Any], device
     float32, so that summing shards reproduces the sync all-reduce."""
     model.eval()
     total, count = None, 0
+    outputs = StepOutputs(task, device, keys)
     with torch.no_grad():
         for batch in batches:
             batch = to_device(batch, device)
             with torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else _nothing():
                 out = task.val_step(model, batch)
-            if not isinstance(out, dict):
-                raise TaskError(f"{type(task).__name__}.val_step must return a dict of metrics")
-            keys = keys or sorted(out)
-            if sorted(out) != keys:
-                raise TaskError(f"{type(task).__name__}.val_step returned keys {sorted(out)} after {keys} "
-                                "earlier; return the same metrics every step")
-            values = torch.stack([
-                out[k].detach().float().reshape(()) if isinstance(out[k], torch.Tensor)
-                else torch.tensor(float(out[k]), device=device) for k in keys])
+            values = outputs.stack(out, "val")
             n = batch_size_of(batch)
             values = values * n
             total = values if total is None else total + values
             count += n
-    return keys, torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]).cpu()
+    return outputs.keys["val"], torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]).cpu()
 
 
 class _nothing:
