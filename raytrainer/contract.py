@@ -239,7 +239,14 @@ class WorkerGroup(Protocol):
         and with `grow` the workers ready to join are added: the state is then re-sharded
         from the snapshots onto the ranks of the new group."""
         ...
-    def joinable(self) -> int: ...
+    def joinable(self) -> int:
+        """Start a worker in every free slot the cluster has placed; return how many
+        started workers are up, ready to join at the next `reform`."""
+        ...
+    def joiners_starting(self) -> int:
+        """How many started workers (`joinable`'s, a fast recovery's replacements) are
+        not up yet."""
+        ...
     def draining(self) -> dict[str, float | None]:
         """The cluster's nodes being drained (for preemption, or as idle): node id ->
         deadline (time.time() seconds; None where the drain has none)."""

@@ -53,6 +53,9 @@ class FakeGroup:
     def draining(self):
         return {}
 
+    def joiners_starting(self):
+        return 0
+
     def replacements(self, ranks):
         return []
 
@@ -177,6 +180,38 @@ class GrowingGroup(FakeGroup):
     def reform(self, dead):
         self.calls.append(("reform", tuple(dead)))
         return Reformed(step=2, nodes=NODES + [Node("10.0.0.3")], source=0, added=1)
+
+
+def test_newcomers_started_together_join_together(tmp_path):
+    """One newcomer up and another still starting: the workers are not paused until the
+    other is up too (one re-form for both), or until replace_timeout_s has passed."""
+    from raytrainer.driver.policy import grow_now
+
+    assert not grow_now(0, 2, 99.0, 10.0)  # none up: nothing to join
+    assert not grow_now(1, 1, 3.0, 10.0)  # one up, one starting: wait for it
+    assert grow_now(2, 0, 0.0, 10.0)  # both up: at once
+    assert grow_now(1, 1, 10.0, 10.0)  # the other never came up: those up join
+
+    class Staggered(GrowingGroup):
+        def __init__(self, polls):
+            super().__init__(polls)
+            self.room = [1, 1, 2]  # up: the first at once, the second two checks later
+            self.starting = [1, 1, 0]
+
+        def joiners_starting(self):
+            return self.starting.pop(0) if len(self.starting) > 1 else self.starting[0]
+
+    paused = RunEnd("paused", 3, time=0.0)
+    group = Staggered([Poll(rows(1)), Poll(rows(2)), Poll(rows(3)), Poll(paused={0: paused}),
+                       Poll(paused={1: paused}), Poll(rows(4), done=True, result=WEIGHTS)])
+    settings = ControllerSettings(min_workers=2, max_workers=4, poll_interval_s=0, grow_check_s=0,
+                                  replace_timeout_s=60)
+    events = EventLog(tmp_path / "events.jsonl")
+    controller = Controller(group, settings, Records(hub=MetricsHub([]), events=events))
+    assert controller.run() == WEIGHTS
+    events.close()
+    calls = [c[0] for c in group.calls if c[0] in ("joinable", "pause", "reform")]
+    assert calls == ["joinable", "joinable", "joinable", "pause", "reform"]
 
 
 def test_room_to_grow_pauses_the_workers_and_reforms_the_group(tmp_path):

@@ -59,7 +59,7 @@ from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementErro
                       WorkerError, warn)
 from .metrics import EventLog, MetricsHub
 from .drainwatch import DrainWatch
-from .policy import FailurePolicy, poll_wait, replacing, root_causes
+from .policy import FailurePolicy, grow_now, poll_wait, replacing, root_causes
 from .watchdog import Watchdog
 
 
@@ -82,7 +82,8 @@ class ControllerSettings:
     """scaling.max_workers: an elastic run grows up to it; default min_workers."""
     failure: FailureConfig = field(default_factory=lambda: FailureConfig(max_failures=0, step_timeout_s=None))
     replace_timeout_s: float = 10.0
-    """scaling.replace_timeout_s: how long a drain waits for replacements."""
+    """scaling.replace_timeout_s: how long a drain waits for replacements, and how long
+    newcomers that are up wait for those started with them (policy.grow_now)."""
     placement_timeout_s: float = 60.0
     """scaling.placement_timeout_s: how long a run that went on below min_workers after a
     failure (failure.recovery: fast) waits for its replacements to be up before it fails."""
@@ -138,6 +139,8 @@ class Controller:
         self._nodes: list[Node] = []  # where each rank runs
         self.grow_check_s = settings.grow_check_s
         self._grow_at = -math.inf  # due at once
+        self._joiners_up_at: float | None = None  # since when newcomers are up, waiting for the rest
+        self.join_patience_s = settings.replace_timeout_s
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
         self.placement_timeout_s = settings.placement_timeout_s
@@ -451,9 +454,15 @@ class Controller:
         if self.world >= self.max_workers or self._pause_asked is not None or now - self._grow_at < self.grow_check_s:
             return
         self._grow_at = now
-        if self.group.joinable():
+        ready = self.group.joinable()
+        if not ready:
+            self._joiners_up_at = None
+            return
+        self._joiners_up_at = self._joiners_up_at or now
+        if grow_now(ready, self.group.joiners_starting(), now - self._joiners_up_at, self.join_patience_s):
             self.group.pause()
             self._pause_asked = now
+            self._joiners_up_at = None
 
     def _resize(self) -> None:
         """Every worker paused at the same step: re-form with the newcomers, and without

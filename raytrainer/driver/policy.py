@@ -220,6 +220,17 @@ def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min
     return waited_s < replace_timeout_s or others + placed < min_workers
 
 
+def grow_now(ready: int, starting: int, waited_s: float, patience_s: float) -> bool:
+    """Whether to pause the workers for a grow now: `ready` started workers are up, and
+    either none is still `starting`, or those up have waited `patience_s` for the rest.
+    Workers started together (a fast recovery's replacements, the slots of a node that
+    joined) join in one re-form: each re-form pauses the run and moves the state to the
+    newcomers (sharded state: a re-shard), and on a loaded machine processes started
+    together come up seconds apart. One that does not come up holds the others back for
+    patience_s at most."""
+    return ready > 0 and (starting == 0 or waited_s >= patience_s)
+
+
 def draining_ranks(draining: dict[str, float | None], nodes: list[str]) -> dict[str, list[int]]:
     """Of the nodes being drained (node id -> deadline), those the group runs on, with the
     ranks on each (`nodes`: each rank's node id). A drain elsewhere does not concern us."""

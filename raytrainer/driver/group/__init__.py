@@ -191,6 +191,9 @@ class RayWorkerGroup:
         started workers are ready to join at the next `reform`."""
         return self.slots.start_joiners(self.roster.slots + self.moves.slots_in_use(), self.draining)
 
+    def joiners_starting(self) -> int:
+        return self.slots.starting()
+
     def draining(self) -> dict[str, float | None]:
         return draining_nodes()
 

@@ -121,9 +121,9 @@ class Slots:
                 renewed[(pg, 0)] = self.renew((pg, 0))
         return renewed
 
-    def starting(self) -> bool:
-        """Whether a worker started in a free slot is not up yet."""
-        return len(self.ready_joiners(take=False)) < len(self.joining)
+    def starting(self) -> int:
+        """How many workers started in free slots are not up yet."""
+        return len(self.joining) - len(self.ready_joiners(take=False))
 
     def start_joiners(self, in_use: Iterable[Slot], draining: Callable[[], dict[str, Any]]) -> int:
         """Start a worker in every free slot the cluster has placed (not on a node being
