@@ -293,7 +293,8 @@ class ScalingConfig:
     replace_timeout_s: float = 10.0
     """Elastic runs: how long a replacement may take to be placed before the survivors (at
     least min_workers) go on without it: a lost worker's with failure.recovery exact (fast
-    goes on at once), a worker's leaving a node being drained."""
+    goes on at once), a worker's leaving a node being drained. Also how long workers that
+    are up to join wait for those started with them, to join in one pause."""
 
     def __post_init__(self):
         for key in ("num_workers", "min_workers", "max_workers"):
