@@ -212,16 +212,25 @@ class Checkpoints:
 
     def committed(self) -> list[Committed]:
         """Checkpoints whose marker exists, oldest first (partial writes are invisible)."""
-        found = []
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[Committed], list[str]]:
+        """(the committed checkpoints, oldest first; the names of the step directories with
+        no marker: a write in flight, or what a failed write or deletion left)."""
+        found, partial = [], []
         for name in self.storage.list_dirs(self.prefix):
             marker = f"{self.prefix}/{name}/{MARKER}"
-            if name.startswith("step-") and self.storage.exists(marker):
-                try:
-                    manifest = json.loads(self.storage.read(marker))
-                except ValueError:  # a marker cut short by a full disk (written before markers were atomic)
-                    continue
-                found.append(Committed(manifest["step"], name, manifest))
-        return sorted(found, key=lambda c: c.step)
+            if not name.startswith("step-"):
+                continue
+            if not self.storage.exists(marker):
+                partial.append(name)
+                continue
+            try:
+                manifest = json.loads(self.storage.read(marker))
+            except ValueError:  # a marker cut short by a full disk (written before markers were atomic)
+                continue
+            found.append(Committed(manifest["step"], name, manifest))
+        return sorted(found, key=lambda c: c.step), partial
 
     def newest(self, before: int | None = None) -> CheckpointRef | None:
         """The newest committed checkpoint (older than step `before`, if given), by its
@@ -339,8 +348,11 @@ class Checkpoints:
         return True
 
     def prune(self) -> list[str]:
-        """Keep the newest keep_last and the best keep_best.k; never the newest one."""
-        ckpts = self.committed()
+        """Keep the newest keep_last and the best keep_best.k; never the newest one. Also
+        remove what a failed write or an interrupted deletion left (a directory with no
+        marker, older than the newest committed checkpoint: saves commit in step order, so
+        no write of it is in flight)."""
+        ckpts, partial = self._scan()
         keep = {c.name for c in ckpts[-self.cfg.keep_last:]}
         best = self.cfg.keep_best
         if best is not None:
@@ -354,6 +366,9 @@ class Checkpoints:
             # The marker goes first: a half-deleted checkpoint must not look committed.
             self.storage.fs.delete_file(self.storage.path(f"{self.prefix}/{name}/{MARKER}"))
             self.storage.delete_dir(f"{self.prefix}/{name}")
+        for name in partial:
+            if ckpts and name < ckpts[-1].name:  # zero-padded: names sort as their steps
+                self.discard(name)
         return deleted
 
 

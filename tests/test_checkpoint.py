@@ -193,6 +193,28 @@ def test_retention_keeps_the_last_and_the_best(tmp_path):
     assert [c.step for c in plain.committed()] == [3]
 
 
+def test_retention_removes_what_a_failed_write_or_an_interrupted_deletion_left(tmp_path):
+    """A deletion cut short after its marker went (the storage failing mid-prune), or a
+    write that failed and could not be discarded, leaves a directory that is no checkpoint:
+    the next commit removes it; a directory newer than the newest commit (a write in
+    flight) stays."""
+    ckpts = store(tmp_path, keep_last=1)
+    ckpts.write(1, state(1), {})
+    ckpts.write(2, state(2), {})
+    half_deleted = tmp_path / ckpts.prefix / "step-00000001"
+    half_deleted.mkdir()
+    (half_deleted / "state.pt").write_bytes(b"left")
+    failed = tmp_path / ckpts.prefix / "step-00000002" / ".." / "step-00000003"
+    failed.mkdir()
+    (failed / "state.pt").write_bytes(b"partial")
+    in_flight = tmp_path / ckpts.prefix / "step-00000009"
+    in_flight.mkdir()
+    ckpts.write(4, state(4), {})
+    names = sorted(p.name for p in (tmp_path / ckpts.prefix).iterdir())
+    assert names == ["step-00000004", "step-00000009"]
+    assert [c.step for c in ckpts.committed()] == [4]
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     """A real S3-protocol server (moto's) on loopback, and the environment AWS tools read."""
