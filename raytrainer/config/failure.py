@@ -1,0 +1,103 @@
+"""The failure section: how a run recovers from lost workers, and the faults it may inject."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class ChaosFault:
+    """A fault to inject, for tests and for checking a setup. It acts on one rank at the
+    end of an optimizer step (after the weights are updated), once per run."""
+
+    action: Literal["kill", "freeze", "hang", "delay", "raise"]
+    """kill: SIGKILL the worker process; freeze: SIGSTOP it (alive, holding its sockets,
+    answering nothing: a paused VM); hang: stop making progress in the task's code (until
+    the driver's step_timeout_s kills it); delay: sleep `seconds`; raise: raise in the worker."""
+    step: int | None = None
+    """The step it acts after; or null with `probability`."""
+    probability: float | None = None
+    """Act after any step with this probability (seeded by trainer.seed: reproducible)."""
+    rank: int | None = None
+    """The rank it acts on; null: a rank drawn at random (seeded)."""
+    seconds: float = 1.0
+    """How long a delay lasts."""
+    at: Literal["end", "random"] = "end"
+    """end: after the step's update; random (kill, freeze): from another thread, at a
+    random moment of the step (up to the previous step's duration after it begins:
+    in the forward, the backward, a collective or the optimizer)."""
+
+    def __post_init__(self):
+        if self.at == "random" and self.action not in ("kill", "freeze"):
+            raise ConfigError(f"failure.chaos ({self.action}): at=random is for kill and freeze only")
+        if (self.step is None) == (self.probability is None):
+            raise ConfigError(f"failure.chaos ({self.action}): give exactly one of step or probability")
+        if self.step is not None and self.step < 1:
+            raise ConfigError(f"failure.chaos ({self.action}): step={self.step} must be >= 1")
+        if self.probability is not None and not 0.0 < self.probability <= 1.0:
+            raise ConfigError(f"failure.chaos ({self.action}): probability={self.probability} must be in (0, 1]")
+        if self.rank is not None and self.rank < 0:
+            raise ConfigError(f"failure.chaos ({self.action}): rank={self.rank} must be >= 0 (or null)")
+        if self.seconds < 0:
+            raise ConfigError(f"failure.chaos ({self.action}): seconds={self.seconds} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class FailureConfig:
+    max_failures: int = 3
+    """Recoveries allowed in one run; the next failure fails the run. 0: fail at the first."""
+    step_timeout_s: float | None = 300.0
+    """A worker that makes no progress (no micro-batch, no validation batch) for this long
+    is hung: its Python stacks are dumped into the run directory and it is replaced.
+    null: never time out."""
+    collective_timeout_s: float = 600.0
+    """How long a collective (and the forming of a group) may wait for a peer before it
+    fails. Detection of a lost or hung peer does not wait for it (the driver sees a death
+    at once and a hang after step_timeout_s); it bounds what nothing else catches. Keep it
+    above the longest wait ranks have for rank 0 alone (a synchronous checkpoint write)."""
+    recovery: Literal["fast", "exact"] = "fast"
+    """What the survivors do when a lost worker has no warm spare up to take its place.
+    fast: go on at once without it, one world size smaller, while its replacement starts;
+    it joins at a step boundary once up (a pause of a fraction of a second, as any grow).
+    The global batch and the sample order stay the same at any world size, so nothing is
+    lost, but the run ends within float tolerance of an undisturbed one, not bit for bit.
+    Below scaling.min_workers only while the replacements come (up to
+    scaling.placement_timeout_s, then the run fails as when they cannot be placed). exact:
+    wait for the replacement (a process start and torch import: seconds), keeping the world
+    size, so a run with failures ends bit-identical to an undisturbed one. Either way a
+    ready warm spare takes the lost worker's place at once, bit-identically; a fixed-size
+    run with trainer.batch_policy per_worker always waits. Sharded state (fsdp) goes back
+    to its peer snapshots, re-sharded onto the ranks left (fast) or at the same size (exact)."""
+    warm_spares: int = 1
+    """Idle worker processes kept ready (torch and torch._dynamo imported, no resources
+    held) to take a lost CPU worker's place at once, keeping the world size (a GPU worker
+    needs its GPU at creation: none for GPU runs). Spread over the nodes the workers run
+    on (a spare replaces a worker of its own node); started once training runs, and again
+    after one is used, once no replacement is starting, so their start does not take the
+    cores a recovery needs. Each is a process holding torch in memory. 0: none."""
+    snapshot_every_n_steps: int = 10
+    """Sharded state (trainer.strategy: fsdp): every this many optimizer steps each worker
+    copies its shards of the training state to host memory and to one peer's, so that a
+    lost worker's state is recovered from its peer and the run replays at most this many
+    steps, reading no checkpoint (the memory it takes: docs/fault-tolerance.md, "FSDP: peer
+    snapshots"). 0: recover from the newest checkpoint instead. Replicated state (ddp) needs none: every survivor
+    holds it. Your own loop (task.loop) under fsdp copies at every report with state instead
+    (any value but 0), so that it loses at most the steps since that report."""
+    chaos: list[ChaosFault] = field(default_factory=list)
+    """Faults to inject (see ChaosFault)."""
+
+    def __post_init__(self):
+        if self.snapshot_every_n_steps < 0:
+            raise ConfigError(f"failure.snapshot_every_n_steps={self.snapshot_every_n_steps} must be >= 0 "
+                              "(0: no peer snapshots)")
+        if self.max_failures < 0:
+            raise ConfigError(f"failure.max_failures={self.max_failures} must be >= 0")
+        if self.warm_spares < 0:
+            raise ConfigError(f"failure.warm_spares={self.warm_spares} must be >= 0 (0: none)")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ConfigError(f"failure.step_timeout_s={self.step_timeout_s} must be > 0 (or null)")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"failure.collective_timeout_s={self.collective_timeout_s} must be > 0")
