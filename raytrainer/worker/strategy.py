@@ -94,7 +94,7 @@ class DDP:
             return module
         # Wrapping broadcasts rank 0's weights to every rank: the state must be final.
         ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-        self.carrier = Carrier(device)
+        self.carrier = Carrier(device, ddp.process_group)
         ddp.register_comm_hook(self.carrier, _allreduce_carrying)  # before the reducer is wrapped
         _internals.keep_initial_buckets(ddp)  # bit-identical after a re-form
         return ddp
@@ -256,16 +256,14 @@ def _allreduce_carrying(carrier, bucket):
     another rounding of the same sum, like the one DDP's own re-bucketing would bring
     (see _internals.keep_initial_buckets). Making it vanish would take padding that keeps Gloo's boundaries,
     which no padding can once the appended values exceed the last segment's slack."""
-    import torch.distributed as dist
-
     buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size())
+    buffer.mul_(carrier.scale)
     extra = carrier.outgoing
     if not bucket.is_last() or extra is None:
-        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+        return carrier.all_reduce(buffer).then(lambda fut: fut.value()[0])
     if buffer.dtype != extra.dtype:  # half-precision gradients: the metrics keep float32, apart
-        grads = dist.all_reduce(buffer, async_op=True).get_future()
-        metrics = dist.all_reduce(extra, async_op=True).get_future()
+        grads = carrier.all_reduce(buffer)
+        metrics = carrier.all_reduce(extra)
 
         def both(fut: torch.futures.Future) -> torch.Tensor:
             reduced_grads, reduced_metrics = fut.value()
@@ -281,7 +279,7 @@ def _allreduce_carrying(carrier, bucket):
         carrier.reduced = reduced[size:]
         return reduced[:size]
 
-    return dist.all_reduce(joined, async_op=True).get_future().then(split)
+    return carrier.all_reduce(joined).then(split)
 
 
 def build_strategy(cfg: TrainerConfig, most_workers: int, task: Any = None) -> Strategy:
