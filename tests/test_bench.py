@@ -452,3 +452,16 @@ def test_checkpoint_stall_from_the_steps_around_each_save():
     # The stall runs' model: about checkpoint_mb MB of fp32 parameters in a 2-layer MLP.
     h = stall_hidden(64, 32)
     assert 0.99 * 64 * 2**20 <= 4 * (h * h + 35 * h + 1) <= 64 * 2**20
+
+
+@pytest.mark.slow
+def test_step_cpu_alternates_raw_ddp_and_the_loop_and_reports_their_ratio(capsys):
+    """The per-step CPU figure (bench/step_cpu.py): both loops train in the same processes,
+    and their chunks alternate; every round is a measured pair, and the ratio is theirs."""
+    from raytrainer.bench import step_cpu
+
+    figures = step_cpu.measure(workers=2, chunk=3, rounds=4, hidden=16)
+    assert figures["rounds"] == 4 and figures["raw_ms"] > 0 and figures["raytrainer_ms"] > 0
+    assert figures["ratio_min"] <= figures["ratio_q1"] <= figures["ratio"] <= figures["ratio_q3"] <= figures["ratio_max"]
+    table = step_cpu.format_figures(figures)
+    assert f"| {figures['raw_ms']:.3f} | {figures['raytrainer_ms']:.3f} | {figures['ratio']:.3f} (" in table
