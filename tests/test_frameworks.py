@@ -118,6 +118,8 @@ def test_the_hugging_face_callback_reports_at_the_trainers_steps_and_resumes_exa
     assert [m["step"] for m, _, _ in ctx.reports if "eval_loss" in m] == [4, 8]
     assert [m["step"] for m, state, _ in ctx.reports if state] == [3, 6]
     assert [os.path.basename(c) for _, _, c in ctx.reports if c] == ["checkpoint-4", "checkpoint-8"]
+    # Handed over as saved (a commit copies them at once); the worker's own copies then go.
+    assert not [c for _, _, c in ctx.reports if c and os.path.exists(os.path.dirname(c))]
     _, state, _ = ctx.reports[5]
     assert set(state) == {"model", "optimizer", "scheduler", "trainer_state"}
     again = FakeContext(step=6, state=state)
