@@ -21,16 +21,22 @@ if ROOT not in sys.path:
 # joined by a later test. tests/test_localray.py turns keeping on where it tests it.
 os.environ.setdefault("RAYTRAINER_KEEP_RAY", "0")
 
-# This session's Rays apart from any other's on the machine (pytest-xdist runs two sessions
-# side by side; `-n 2` in the README's command): a cluster_utils head records its address in
-# $RAY_TMPDIR/ray/ray_current_cluster, which a run given no address would join (as it joins a
-# `ray start`). Every process the session starts inherits both variables; SESSION_TAG tells
-# its processes from the other session's (ray_procs.live_processes).
-_SESSION_TMP = tempfile.mkdtemp(prefix=f"rt{os.environ.get('PYTEST_XDIST_WORKER', '')}-", dir="/tmp")
-os.makedirs(os.path.join(_SESSION_TMP, "ray"))
-os.environ["RAY_TMPDIR"] = _SESSION_TMP
-os.environ[SESSION_TAG] = uuid.uuid4().hex
-atexit.register(shutil.rmtree, _SESSION_TMP, True)  # after Ray's own exit handlers (registered later)
+
+def pytest_configure(config):
+    """This session's Rays apart from any other's on the machine (pytest-xdist runs two
+    sessions side by side; `-n 2` in the README's command): a cluster_utils head records its
+    address in $RAY_TMPDIR/ray/ray_current_cluster, which a run given no address would join
+    (as it joins a `ray start`). Every process the session starts inherits both variables;
+    SESSION_TAG tells its processes from the other session's (ray_procs.live_processes).
+    In this hook, not at import: a Ray worker that imports a test module (a task defined
+    there) imports this one too, and would make a folder no one removes (it is killed, its
+    exit handlers never run) and give its loader processes another session's tag."""
+    session_tmp = tempfile.mkdtemp(prefix=f"rt{os.environ.get('PYTEST_XDIST_WORKER', '')}-", dir="/tmp")
+    os.makedirs(os.path.join(session_tmp, "ray"))
+    os.environ["RAY_TMPDIR"] = session_tmp
+    os.environ[SESSION_TAG] = uuid.uuid4().hex
+    atexit.register(shutil.rmtree, session_tmp, True)  # after Ray's own exit handlers (registered later)
+
 
 
 # ---------------------------------------------------------------------------- Ray, shared
