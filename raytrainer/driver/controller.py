@@ -10,7 +10,11 @@ The controller knows no torch and no Ray: it drives any worker group
 (driver.group.RayWorkerGroup in production, a fake in tests), writes every lifecycle
 change to the event log and every metric row to the sinks, asks the failure
 policy what to do when workers fail or hang, and always shuts the group down,
-whatever happened.
+whatever happened. Its larger parts are modules of their own: recovery.py (a failure:
+every worker stopped, the group re-formed from what survives, attempt after attempt),
+resizing.py (when an elastic run grows, how long a run may stay below min_workers, the
+events of a size change), recorder.py (the workers' rows and events into the records),
+and two watches, watchdog.py (hangs) and drainwatch.py (draining nodes).
 
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
@@ -46,20 +50,21 @@ before its workers could leave is a lost node like any other: a failure, recover
 from __future__ import annotations
 
 import enum
-import math
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from ..errors import (CheckpointCorrupt, ConfigError, NoSurvivors, PlacementError, RaytrainerError, Stopped,
-                      WorkerError, warn)
+from ..errors import CheckpointCorrupt, ConfigError, RaytrainerError, Stopped, WorkerError, warn
 from .metrics import EventLog, MetricsHub
 from .drainwatch import DrainWatch
-from .policy import FailurePolicy, grow_now, poll_wait, replacing, root_causes
+from .policy import FailurePolicy, poll_wait
+from .recorder import Recorder
+from .recovery import Recovery
+from .resizing import Resizing
 from .watchdog import Watchdog
 
 
@@ -122,7 +127,17 @@ class Records:
 
 
 class Controller:
-    _kept_step: int | None = None  # the newest committed checkpoint's step, for a failed save's warning
+    # While a failure settles (Recovery.settle): after a survivor stopped with its state, how
+    # long the others get to stop before those still waiting in a collective are killed: a
+    # last resort, for a collective that the shut-down connections (the survivors' abort,
+    # and each survivor's as it leaves) did not fail, which would wait for
+    # failure.collective_timeout_s. The state is in the stopped ones.
+    UNBLOCK_AFTER_S = 2.0
+
+    # The same: after a survivor stopped, how long Ray gets to report a worker's death itself
+    # (with its cause: an OOM kill, a segfault) before one that does not answer is taken for
+    # dead.
+    SILENT_AFTER_S = 0.5
 
     def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
                  resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None):
@@ -137,30 +152,22 @@ class Controller:
         self.world = 0  # the current world size
         self._replicated = True  # whether every worker holds the whole state (Formed)
         self._nodes: list[Node] = []  # where each rank runs
-        self.grow_check_s = settings.grow_check_s
-        self._grow_at = -math.inf  # due at once
-        self._joiners_up_at: float | None = None  # since when newcomers are up, waiting for the rest
-        self.join_patience_s = settings.replace_timeout_s
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
-        self.placement_timeout_s = settings.placement_timeout_s
         self.per_worker_batch = settings.per_worker_batch
-        self._short_since: float | None = None  # since when the run trains below min_workers
-        self._regrowing = 0  # ranks left behind by a fast recovery, whose replacements are coming
         self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
-        self._rows_at: list[tuple[float, int]] = []  # (when, step) of the last training rows
         self.hub, self.events, self.progress = records.hub, records.events, records.progress
         self.poll_interval_s, self.max_poll_s = settings.poll_interval_s, settings.max_poll_s
         self.callbacks, self.ctx = records.callbacks, records.context
         self.state = State.STARTING
         self.step = 0
         self.result: Any = None
-        # The last training and validation rows recorded: rows re-sent by workers that
-        # redo steps after a recovery (replayed from a snapshot or a checkpoint) are dropped.
-        self._train_step, self._val_step = 0, -1
+        self.recorder = Recorder(records)
         self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, self._node_ip)
         self.drains = DrainWatch(group, self.events, settings.drain_check_s, settings.replace_timeout_s,
                                  self._node_ip)
+        self.resizing = Resizing(group, self.events, settings)
+        self.recovery = Recovery(self)
         self._gave_up: str | None = None
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
 
@@ -175,13 +182,7 @@ class Controller:
         self.events.log("run_started", step=0, num_workers=self.num_workers,
                         **({"max_workers": self.max_workers} if self.max_workers > self.num_workers else {}))
         try:
-            try:
-                self._form(self.resume, t0, check_storage=True)
-            except ReformFailed as exc:  # a worker lost while the group first formed
-                self._recover(exc.failures, lost=exc.dead)
-            self.state = State.RUNNING
-            self.callbacks("on_run_start", self.ctx)
-            self.callbacks("on_epoch_start", self.ctx)
+            self._start(t0)
             while self.state is State.RUNNING:
                 poll = self._poll()
                 if poll.done:
@@ -198,16 +199,12 @@ class Controller:
                 elif self.stop_signal is not None and self._pause_asked is None:
                     # A stop pauses the workers as a resize or a drain does: at a step
                     # boundary every rank agrees on in its metrics reduction.
-                    self.group.pause()
-                    self._pause_asked = time.monotonic()
+                    self._pause()
                 else:
-                    self._check_short()
+                    self.resizing.check_short(self.world)
                     self._watch_drains()
                     self._look_for_room()
-            self.callbacks("on_epoch_end", self.ctx)
-            self.callbacks("on_run_end", self.ctx)
-            self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
-                            reason=self.result.stop_reason)
+            self._finish(t0)
             return self.result
         except Stopped:
             self.state = State.FAILED
@@ -220,14 +217,32 @@ class Controller:
         finally:
             self.group.shutdown()
 
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start(self, t0: float) -> None:
+        """Form the group (recovering where a worker is lost meanwhile); training runs."""
+        try:
+            self._form(self.resume, t0, check_storage=True)
+        except ReformFailed as exc:  # a worker lost while the group first formed
+            self._recover(exc.failures, lost=exc.dead)
+        self.state = State.RUNNING
+        self.callbacks("on_run_start", self.ctx)
+        self.callbacks("on_epoch_start", self.ctx)
+
+    def _finish(self, t0: float) -> None:
+        """Every worker finished: the last callbacks, and the `finished` event."""
+        self.callbacks("on_epoch_end", self.ctx)
+        self.callbacks("on_run_end", self.ctx)
+        self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
+                        reason=self.result.stop_reason)
+
     def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> Resume | None:
         """Place and start the workers, form the group (from `resume` if given, or an older
         checkpoint where that one is corrupt), launch; return the checkpoint it formed from."""
         nodes = self._nodes = self.group.start()
         self.world = len(nodes)
         self._paused, self._pause_asked, self._leaving = {}, None, {}
-        self._regrowing = 0
-        self._note_size()
+        self.resizing.formed(self.world)
         if check_storage:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
@@ -235,9 +250,9 @@ class Controller:
         formed, resume = self._setup(resume)
         self._replicated = formed.replicated
         self.step = self.ctx.step = resume[0] if resume else 0
-        self._train_step = max(self._train_step, self.step)
+        self.recorder.train_step = max(self.recorder.train_step, self.step)
         if resume:
-            self._kept_step = max(resume[0], self._kept_step or 0)
+            self.recorder.kept(resume[0])
             self.events.log("resumed", step=self.step, checkpoint=resume[1])
         if self.progress is not None:
             self.progress.total_steps = formed.total_steps
@@ -264,242 +279,6 @@ class Controller:
                     raise ConfigError(f"{exc}, and the run has no older intact checkpoint to start from: set "
                                       "run.resume to another checkpoint, or choose another run.name "
                                       "(e.g. --set run.name=NEW)") from None
-
-    def _poll(self) -> Poll:
-        poll = self.group.poll(self._poll_wait())
-        self._paused.update(poll.paused)
-        self._record(poll.rows)
-        for event in poll.events:
-            self.events.log(**event)
-            if event["event"] == "checkpoint_committed":
-                self._kept_step = max(event["step"], self._kept_step or 0)
-                self.callbacks("on_checkpoint", self.ctx, event["path"])
-            elif event["event"] == "checkpoint_failed":
-                _warn_save_failed(event, self._kept_step)
-        return poll
-
-    def _poll_wait(self) -> float:
-        if self.state is not State.RUNNING:  # recovering, resizing: every moment counts
-            return self.poll_interval_s
-        due = [self.drains.checked_at + self.drains.check_s]
-        if self.failure.step_timeout_s is not None:
-            due.append(self.watchdog.checked_at + 1.0)  # the hang check
-        if self.world < self.max_workers and self._pause_asked is None:
-            due.append(self._grow_at + self.grow_check_s)
-        return poll_wait(time.monotonic(), due, self.poll_interval_s, self.max_poll_s)
-
-    # ------------------------------------------------------------------ failures
-
-    def _recover(self, failures: list[Failure], lost: list[int] | None = None) -> None:
-        """Recover from `failures`, and from every failure while recovering: each attempt
-        counts its causes through the policy, and starts over from what survives (the
-        survivors' state in memory, else the newest checkpoint, else step 0). `lost`: the
-        group already stopped (a failed first forming) and these ranks are gone."""
-        self.state = State.RECOVERING
-        t0 = time.monotonic()
-        if lost is None:
-            failed, finished, killed = self._settle(failures)
-            if 0 in finished:  # training was over; rank 0 holds the result: nothing to redo
-                self._log_failures(list(failed.values()))
-                self.result, self.state = finished[0], State.FINISHED
-                return
-            failures = list(failed.values())
-            lost = sorted(r for r, f in failed.items() if f.kind in ("died", "hung") or r in killed)
-        ahead = max([self._train_step, self.watchdog.furthest_step()]
-                    + [f.step for f in failures if f.step is not None])
-        old_world, attempts = self.world, 0
-        # Each rank's number when the recovery began (None: a newcomer since), and the ranks
-        # left behind by attempts that failed after renumbering them.
-        origin: list[int | None] = list(range(self.world))
-        left: list[int] = []
-        while True:
-            attempts += 1
-            self._log_failures(failures)
-            decision = self.policy.decide(failures)
-            if not decision.recover:
-                self._gave_up = decision.reason
-                raise decision.error or RaytrainerError(decision.reason)
-            try:
-                if self._replicated:
-                    plan = replacing(lost, spares_ready=self.group.spares_ready(lost), world=self.world,
-                                     replicated=True, exact=self.failure.recovery == "exact",
-                                     global_batch_fixed=not self.per_worker_batch,
-                                     elastic=self.max_workers > self.num_workers)
-                    reformed = self._reform(lost, regrow=list(plan.regrow))
-                    how = {"source_rank": reformed.source, "state_from": reformed.state_from,
-                           "resynced": reformed.resynced, "spares": list(plan.spares),
-                           "dropped": reformed.dropped, "replacing": plan.reason}
-                elif self.failure.snapshot_every_n_steps:
-                    plan = replacing(lost, spares_ready=self.group.spares_ready(lost), world=self.world,
-                                     replicated=False, exact=self.failure.recovery == "exact",
-                                     global_batch_fixed=not self.per_worker_batch,
-                                     elastic=self.max_workers > self.num_workers)
-                    reformed = self._reform(lost, peers=True, regrow=list(plan.regrow))
-                    how = {"state_from": "peers", "snapshot_step": reformed.snapshot_step,
-                           "peers": {str(rank): holder for rank, holder in reformed.peers.items()},
-                           "spares": list(plan.spares), "dropped": reformed.dropped, "replacing": plan.reason}
-                else:
-                    raise NoSurvivors("the state is sharded, so the lost workers' shards are on no survivor, "
-                                      "and failure.snapshot_every_n_steps is 0")
-                step = reformed.step
-                how.update(replaced=reformed.replaced, pids=[n.pid for n in reformed.nodes])
-                break
-            except ReformFailed as exc:  # lost again while re-forming: one more failure
-                failures, lost = exc.failures, exc.dead
-                self.world = exc.world_size or self.world  # as the group numbers its ranks now
-                if exc.renumbered is not None:
-                    kept, dropped = exc.renumbered
-                    left += [origin[r] for r in dropped if origin[r] is not None]
-                    origin = [origin[r] for r in kept] + [None] * (self.world - len(kept))
-            except NoSurvivors as exc:
-                self.group.shutdown()
-                try:
-                    resume = self._form(self.restore(), time.monotonic())
-                except ReformFailed as exc:
-                    failures, lost = exc.failures, exc.dead
-                    continue
-                step, how = self.step, {"state_from": "checkpoint" if resume else "start",
-                                        "from_checkpoint": resume[1] if resume else None, "why": str(exc)}
-                reformed = None
-                break
-        self.step = step
-        if reformed is not None:  # every rank left behind, as numbered when the recovery began
-            reformed = replace(reformed, dropped=sorted(
-                left + [origin[r] for r in reformed.dropped if origin[r] is not None]))
-            how["dropped"] = reformed.dropped
-        seconds = round(time.monotonic() - t0, 3)
-        self.events.log("recovered", step=step, seconds=seconds, steps_lost=max(0, ahead - step),
-                        failures=self.policy.failures, attempts=attempts, cause=decision.reason, **how)
-        if self.world != old_world and reformed is not None:
-            self._log_resize(old_world, reformed, seconds, f"failure: {decision.reason}")
-            self._regrowing += len(reformed.dropped)
-        self._note_size()
-        self.state = State.RUNNING
-
-    def _settle(self, failures: list[Failure]) -> tuple[dict[int, Failure], dict[int, Any], set[int]]:
-        """Wait until every worker has stopped: failed, finished, or interrupted (a worker
-        that paused for a resize has stopped too: a survivor). Returns the failures, the
-        finished workers' ends, and the ranks killed to get there."""
-        failed: dict[int, Failure] = {}
-        finished: dict[int, Any] = {}
-        killed: set[int] = set()
-
-        def absorb(new: list[Failure]) -> None:
-            for f in new:  # a worker killed as hung then shows as died: it hung
-                failed.setdefault(f.rank, f)
-
-        absorb(failures)
-        # Survivors stop now: NCCL's wait in their collective until its timeout whatever
-        # happened to the peer (their communicators are aborted), and a Gloo survivor may
-        # wait on another survivor rather than on the lost worker (its connections are shut
-        # down, worker/dist.py): every survivor is to re-form anyway.
-        self.group.abort([r for r in range(self.world) if r not in failed])
-        stopped_at: float | None = None  # when a survivor first stopped, holding its state
-        self.watchdog.settling()
-        while True:
-            settled = set(failed) | set(finished) | set(self._paused)
-            # A worker that raised still holds its connections (its DDP keeps the process
-            # group alive), so peers waiting on it would wait for the collective timeout:
-            # kill it, and they fail at once.
-            for rank, f in failed.items():
-                if f.kind == "error" and rank not in killed and len(settled) < self.world:
-                    self.group.kill(rank)
-                    killed.add(rank)
-            if len(settled) >= self.world:
-                return failed, finished, killed
-            if stopped_at is None and any(f.kind == "interrupted" for f in failed.values()):
-                stopped_at = time.monotonic()
-            if stopped_at is not None and time.monotonic() - stopped_at > self.SILENT_AFTER_S:
-                for rank in self.watchdog.silent(exclude=settled):
-                    self.group.kill(rank)
-                    killed.add(rank)
-                    absorb([Failure(rank, "died", "the worker died: it did not answer once its peers had "
-                                    "stopped (its process, or its node, is gone)", None, self._node_ip(rank))])
-            if stopped_at is not None and time.monotonic() - stopped_at > self.UNBLOCK_AFTER_S:
-                for rank in self.watchdog.blocked(exclude=settled):
-                    self.group.kill(rank)
-                    killed.add(rank)
-                    absorb([Failure(rank, "interrupted", "still waiting in a collective for peers that had "
-                                    "stopped (a Gloo collective cannot be aborted): killed to unblock it",
-                                    None, self._node_ip(rank))])
-            poll = self._poll()
-            finished.update(poll.finished)
-            absorb(poll.failures)
-            absorb(self._hung(exclude=settled))
-
-    # After a survivor stopped with its state, how long the others get to stop before those
-    # still waiting in a collective are killed: a last resort, for a collective that the
-    # shut-down connections (abort above, and each survivor's as it leaves) did not fail,
-    # which would wait for failure.collective_timeout_s. The state is in the stopped ones.
-    UNBLOCK_AFTER_S = 2.0
-
-    # After a survivor stopped, how long Ray gets to report a worker's death itself (with its
-    # cause: an OOM kill, a segfault) before one that does not answer is taken for dead.
-    SILENT_AFTER_S = 0.5
-
-    def _node_ip(self, rank: int) -> str | None:
-        return self._nodes[rank].ip if rank < len(self._nodes) else None
-
-    def _log_failures(self, failures: list[Failure]) -> None:
-        for f in root_causes(failures):
-            self.events.log("worker_failed", step=f.step if f.step is not None else self.step, rank=f.rank,
-                            node=f.node, kind=f.kind, cause=f.cause)
-
-    # ------------------------------------------------------------------ elastic
-
-    def _look_for_room(self) -> None:
-        """About once every grow_check_s, while below max_workers: start workers where the
-        cluster has room, and once some are up, ask the workers to pause for a resize."""
-        now = time.monotonic()
-        if self.world >= self.max_workers or self._pause_asked is not None or now - self._grow_at < self.grow_check_s:
-            return
-        self._grow_at = now
-        ready = self.group.joinable()
-        if not ready:
-            self._joiners_up_at = None
-            return
-        self._joiners_up_at = self._joiners_up_at or now
-        if grow_now(ready, self.group.joiners_starting(), now - self._joiners_up_at, self.join_patience_s):
-            self.group.pause()
-            self._pause_asked = now
-            self._joiners_up_at = None
-
-    def _resize(self) -> None:
-        """Every worker paused at the same step: re-form with the newcomers, and without
-        the workers leaving a draining node."""
-        self.state = State.RESIZING
-        paused_at = min(end.time for end in self._paused.values())
-        old_world, leaving, old_nodes = self.world, self._leaving, self._nodes
-        try:
-            if self._replicated:
-                reformed = self._reform([], leave=sorted(leaving))
-            elif self.failure.snapshot_every_n_steps:  # re-sharded from the snapshots kept as they paused
-                reformed = self._reform([], leave=sorted(leaving), peers=True, grow=True)
-            else:
-                reformed = self._restart(leave=sorted(leaving))
-        except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other
-            self.world = exc.world_size or self.world
-            self._recover(exc.failures, lost=exc.dead)
-            return
-        self.step = reformed.step
-        seconds = round(time.time() - paused_at, 3)
-        for node_id in sorted({d["node_id"] for d in leaving.values()}):
-            ranks = sorted(r for r, d in leaving.items() if d["node_id"] == node_id)
-            drain = leaving[ranks[0]]
-            self.events.log("left_node", step=reformed.step, node=old_nodes[ranks[0]].ip, node_id=node_id,
-                            deadline=drain["deadline"], ranks=ranks,
-                            moved=[r for r in ranks if r in reformed.moved],
-                            dropped=[r for r in ranks if r in reformed.dropped], seconds=seconds,
-                            seconds_to_deadline=(round(drain["deadline"] - time.time(), 3)
-                                                 if drain["deadline"] else None),
-                            steps_lost=0, reason=drain["reason"], pids=[n.pid for n in reformed.nodes])
-        if self.world != old_world or not leaving:  # replacements in the leavers' places: no resize
-            cause = ("preemption" if leaving else "lost workers replaced" if self._regrowing and reformed.added
-                     else "room to grow")
-            self._log_resize(old_world, reformed, seconds, cause)
-        self._regrowing = max(0, self._regrowing - reformed.added)
-        self._note_size()
-        self.state = State.RUNNING
 
     def _stop(self) -> None:
         """Every worker paused for a stop: commit a checkpoint of that step, say so, raise
@@ -549,81 +328,94 @@ class Controller:
         self.watchdog.reset()
         return reformed
 
-    def _note_size(self) -> None:
-        """Start (or stop) the clock of a run below min_workers."""
-        if self.world >= self.num_workers:
-            self._short_since = None
-        elif self._short_since is None:
-            self._short_since = time.monotonic()
+    # ------------------------------------------------------------------ polls
 
-    def _check_short(self) -> None:
-        """A run that went on below min_workers after a failure (failure.recovery: fast) waits
-        for its replacements up to scaling.placement_timeout_s, as a recovery that waits for
-        them does, then fails: a fixed-size run keeps its world size."""
-        if self._short_since is None or time.monotonic() - self._short_since < self.placement_timeout_s:
-            return
-        raise PlacementError(
-            f"only {self.world} workers for {time.monotonic() - self._short_since:.0f} s, fewer than "
-            f"scaling.min_workers={self.num_workers}: the lost workers' replacements were not placed and "
-            f"up within scaling.placement_timeout_s={self.placement_timeout_s:g}. Add nodes, or lower "
-            "scaling.min_workers (or num_workers)")
+    def _poll(self) -> Poll:
+        poll = self.group.poll(self._poll_wait())
+        self._paused.update(poll.paused)
+        self._record(poll.rows)
+        self.recorder.worker_events(poll.events)
+        return poll
+
+    def _poll_wait(self) -> float:
+        if self.state is not State.RUNNING:  # recovering, resizing: every moment counts
+            return self.poll_interval_s
+        due = [self.drains.checked_at + self.drains.check_s]
+        if self.failure.step_timeout_s is not None:
+            due.append(self.watchdog.checked_at + 1.0)  # the hang check
+        if self.world < self.max_workers and self._pause_asked is None:
+            due.append(self.resizing.checked_at + self.resizing.check_s)
+        return poll_wait(time.monotonic(), due, self.poll_interval_s, self.max_poll_s)
+
+    def _record(self, rows: list[dict[str, Any]]) -> None:
+        """The rows not recorded before go to the records; the run's step follows them."""
+        rows = self.recorder.fresh(rows)
+        if rows:
+            self.step = max(self.step, rows[-1]["step"])
+            self.recorder.write(rows)
+
+    def _hung(self, exclude: set[int] = frozenset()) -> list[Failure]:
+        return self.watchdog.hung(self.step, recovering=self.state is State.RECOVERING, exclude=exclude)
+
+    def _node_ip(self, rank: int) -> str | None:
+        return self._nodes[rank].ip if rank < len(self._nodes) else None
+
+    # ------------------------------------------------------------------ failures and resizes
+
+    def _recover(self, failures: list[Failure], lost: list[int] | None = None) -> None:
+        """Recover from `failures` (recovery.py) and go on training, or finish where training
+        was over as the workers stopped."""
+        self.state = State.RECOVERING
+        end = self.recovery.recover(failures, lost)
+        if end is None:
+            self.state = State.RUNNING
+        else:
+            self.result, self.state = end, State.FINISHED
+
+    def _pause(self) -> None:
+        """Ask every worker to pause at a step boundary they agree on."""
+        self.group.pause()
+        self._pause_asked = time.monotonic()
+
+    def _look_for_room(self) -> None:
+        """Once workers started where the cluster has room are up to join (Resizing.room),
+        ask every worker to pause, so that the group re-forms with them (`_resize`)."""
+        if self._pause_asked is None and self.resizing.room(self.world):
+            self._pause()
 
     def _watch_drains(self) -> None:
         """Once workers on draining nodes are to leave (DrainWatch), ask every worker to
         pause, so that the group re-forms without those (`_resize`)."""
         if self._pause_asked is not None:
             return
-        leaving = self.drains.check(self._nodes, self.world, self.num_workers, self.step, self._pause_estimate())
+        leaving = self.drains.check(self._nodes, self.world, self.num_workers, self.step,
+                                   self.recorder.pause_estimate())
         if leaving:
             self._leaving = leaving
-            self.group.pause()
-            self._pause_asked = time.monotonic()
+            self._pause()
 
-    def _pause_estimate(self) -> float:
-        """How long the workers take to reach a common step boundary once asked: the pause
-        is agreed in a metrics reduction and seen one reduction later, so about two
-        intervals between the batches of rows the driver receives."""
-        if len(self._rows_at) < 2:
-            return 10.0
-        (t0, _), (t1, _) = self._rows_at[-2:]
-        return 2 * (t1 - t0)
-
-    def _log_resize(self, old_world: int, reformed: Reformed, seconds: float, cause: str) -> None:
-        """`seconds`: the pause of training, from the workers stopping to them going on."""
-        self.events.log("resized", step=reformed.step, old_world_size=old_world, new_world_size=self.world,
-                        seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped,
-                        pids=[n.pid for n in reformed.nodes])
-
-    def _hung(self, exclude: set[int] = frozenset()) -> list[Failure]:
-        return self.watchdog.hung(self.step, recovering=self.state is State.RECOVERING, exclude=exclude)
-
-    def _record(self, rows: list[dict[str, Any]]) -> None:
-        # A training row at or before the last one recorded was re-sent by a worker that
-        # redid a step after a recovery: the first one stands.
-        rows = [r for r in rows if r["step"] > (self._val_step if _is_val(r) else self._train_step)]
-        if not rows:
+    def _resize(self) -> None:
+        """Every worker paused at the same step: re-form with the newcomers, and without
+        the workers leaving a draining node."""
+        self.state = State.RESIZING
+        paused_at = min(end.time for end in self._paused.values())
+        old_world, leaving, old_nodes = self.world, self._leaving, self._nodes
+        try:
+            if self._replicated:
+                reformed = self._reform([], leave=sorted(leaving))
+            elif self.failure.snapshot_every_n_steps:  # re-sharded from the snapshots kept as they paused
+                reformed = self._reform([], leave=sorted(leaving), peers=True, grow=True)
+            else:
+                reformed = self._restart(leave=sorted(leaving))
+        except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other
+            self.world = exc.world_size or self.world
+            self._recover(exc.failures, lost=exc.dead)
             return
-        self._train_step = max([self._train_step] + [r["step"] for r in rows if not _is_val(r)])
-        self._val_step = max([self._val_step] + [r["step"] for r in rows if _is_val(r)])
-        self._rows_at = self._rows_at[-1:] + [(time.monotonic(), self._train_step)]
-        self.step = max(self.step, rows[-1]["step"])
-        self.hub.write(rows)
-        for row in rows:  # driver-side callbacks see the same boundaries, from the rows
-            late = _is_val(row) and row["step"] < self._train_step  # an async validation's
-            if row["epoch"] != self.ctx.epoch and not late:
-                self.callbacks("on_epoch_end", self.ctx)
-                self.ctx.epoch = row["epoch"]
-                self.callbacks("on_epoch_start", self.ctx)
-            self.ctx.step = max(self.ctx.step, row["step"]) if late else row["step"]
-            self.ctx.metrics.update(row)
-            self.callbacks("on_metrics", self.ctx, row)
-            val = {k: v for k, v in row.items() if k.startswith("val_")}
-            if val:
-                self.callbacks("on_validation_end", self.ctx, val)
-
-
-def _is_val(row: dict[str, Any]) -> bool:
-    return any(k.startswith("val_") for k in row)
+        self.step = reformed.step
+        self.resizing.resized(old_world, self.world, old_nodes, leaving, reformed,
+                              seconds=round(time.time() - paused_at, 3))
+        self.resizing.note_size(self.world)
+        self.state = State.RUNNING
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
@@ -635,10 +427,3 @@ def _describe(exc: BaseException) -> dict[str, Any]:
         return {"cause": "interrupted", "error": "KeyboardInterrupt"}
     return {"cause": f"{type(exc).__name__}: {exc}", "error": type(exc).__name__}
 
-
-def _warn_save_failed(event: dict[str, Any], kept: int | None) -> None:
-    """One line per failed save: training goes on, and the user learns what is kept."""
-    warn(f"the checkpoint of step {event['step']} could not be written to {event['path']} ({event['cause']}); "
-         "training goes on, nothing of it is committed, "
-         + (f"the checkpoint of step {kept} stays the newest" if kept is not None else
-            "no checkpoint is committed yet") + "; the next save tries again")

@@ -8,9 +8,12 @@ a fake one without a cluster. This one is split by concern:
     spares    warm spares, worker processes ready to replace a lost one on their node
     drains    nodes being drained, and replacements for the workers on them
     forming   forming the process group, its hang checks, the state workers continue from
+    copies    the second copy of a lone survivor's state
+    reforming the re-forms after a failure, a pause or a drain: from a survivor's state,
+              or from peer snapshots
 
 and RayWorkerGroup here puts them together: the lifecycle (start, setup, launch, poll,
-shutdown), the control calls, and the re-forms after a failure, a pause or a drain.
+shutdown), the control calls, and the re-forms.
 """
 
 from __future__ import annotations
@@ -22,12 +25,10 @@ import ray
 
 from ...checkpoint import CheckpointRef
 from ...config import Config
-from ...contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Reshard, RunEnd, Snapshot, Status
-from ...errors import NoSurvivors, PlacementError
-from ..policy import choose_snapshot
+from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
 from ..storage_check import check_shared_storage
-from . import actors
-from .actors import Roster, control, gather, resources_text, start_worker, worker_bundle
+from . import actors, reforming
+from .actors import Roster, control, gather, start_worker, worker_bundle
 from .drains import Moves, draining_nodes
 from .copies import KeptCopies
 from .forming import Forming
@@ -132,6 +133,19 @@ class RayWorkerGroup:
             poll.events += events
         return poll
 
+    def _drain(self, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Rank 0's new rows and events. A call not answered within `timeout` (rank 0 is
+        frozen, or the machine busy) is collected at the next poll, never asked twice."""
+        if self._drain_ref is None:
+            self._drain_ref = control(self.roster.actors[0], "drain").remote()
+        if not ray.wait([self._drain_ref], timeout=timeout)[0]:
+            return [], []
+        ref, self._drain_ref = self._drain_ref, None
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError:
+            return [], []  # rank 0 died; its run() ref says why
+
     def shutdown(self) -> None:
         for actor in self.roster.actors:
             ray.kill(actor, no_restart=True)
@@ -206,235 +220,18 @@ class RayWorkerGroup:
         ready = self.spares.ready_on([self.roster.nodes[r].node_id for r in ranks])
         return [r for r, ok in zip(ranks, ready) if ok]
 
-    # ------------------------------------------------------------------ re-forms
+    # ------------------------------------------------------------------ re-forms (reforming.py)
 
     def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
-        """Re-form the process group after a failure or a pause; every worker must have
-        stopped. The `dead` ranks get a new worker (the one started by `replacements` for
-        them, else a warm spare, else one in their slot) if one is placed in time
-        (policy.keep_waiting_for_placement), and are dropped otherwise; those in `regrow`
-        are dropped at once, their replacements started once the group has re-formed (they
-        join at a later re-form, `joinable`: policy.replacing). The `leave` ranks
-        (alive, on a draining node) give way to their replacement where it is up, and are
-        dropped otherwise. Workers ready to join are added. Ranks keep their order (the
-        remaining ones close up, newcomers come last). Every worker gets the state of the
-        survivor furthest ahead (one staying, among equals), unless it has it already; with
-        no survivor, the state secured by an earlier attempt of this recovery. Raises
-        NoSurvivors when there is neither, and ReformFailed when a worker is lost meanwhile
-        (call again with its `dead`)."""
-        scaling, roster = self.config.scaling, self.roster
-        world = len(roster.actors)
-        starting = self._starting_ranks(dead)
-        leave = [r for r in leave if r not in dead and r not in starting]
-        others = [r for r in range(world) if r not in dead and r not in starting]
-        regrow = [r for r in regrow if r in dead] if others else []  # someone must go on
-        asked = self._replace(dead, regrow)
-        try:
-            answers = self.forming.answers(others, "status")
-            holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
-            source, state_ref, at = self._take_state(holders, leave)
-        except ReformFailed as exc:  # before the ranks are renumbered: those left behind are gone too
-            raise ReformFailed(exc.failures, sorted(set(exc.dead) | set(regrow)), world) from None
-        moved: dict[int, Node] = {}
-        for rank in leave:  # its state is secured: it goes, for its replacement if up
-            self.kill(rank)
-            node = self.moves.take(roster, rank) if rank in self.moves else None
-            if node is not None:
-                moved[rank] = node
-        staying = len(others) - len(leave) + len(moved)
-        waited = [r for r in dead if r not in regrow] + starting
-        placed = self.slots.wait_placed(roster, waited, staying + len(self.slots.ready_joiners(take=False)), asked)
-        self._starting = []
-        for rank in dead + starting:
-            if rank not in placed:  # its slot stays reserved: it may join later
-                ray.kill(roster.actors[rank], no_restart=True)
-        joiners = self.slots.ready_joiners(take=True)
-        placed.update(moved)
-        keep = [r for r in range(world) if r in placed or (r not in dead and r not in starting and r not in leave)]
-        self.moves.cancel_all()  # ranks are renumbered: replacements still wanted are asked again
-        if leave:
-            self.spares.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
-        roster.actors = [roster.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
-        roster.slots = [roster.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
-        roster.nodes = [placed.get(r) or roster.nodes[r] for r in keep] + [node for _, _, node in joiners]
-        # Below min_workers only for lack of a replacement waited for; ranks left behind to
-        # regrow are the controller's to bound (scaling.placement_timeout_s).
-        if len(roster.actors) < scaling.min_workers and any(r not in placed for r in waited):
-            raise PlacementError(
-                f"only {len(roster.actors)} workers could be placed within scaling.placement_timeout_s="
-                f"{scaling.placement_timeout_s:g} after losing rank(s) {dead}, fewer than "
-                f"scaling.min_workers={scaling.min_workers}; {resources_text()}. Add nodes, or "
-                "lower scaling.min_workers (or num_workers)"
-            )
-        # Holders regroup (taking the state only if behind); the others build the task from it.
-        calls = {}
-        for rank, old in enumerate(keep + [None] * len(joiners)):
-            if old in holders and old not in moved:
-                calls[rank] = (holders[old].position != at.position, state_ref)
-            else:
-                calls[rank] = (None, state_ref)
-        dropped = [r for r in dead + starting + leave if r not in placed]
-        try:
-            self.forming.form(calls, self.use_gpu)
-        except ReformFailed as exc:
-            raise ReformFailed(exc.failures, exc.dead, len(roster.actors), renumbered=(keep, dropped)) from None
-        from_copy = self.copies.holder is not None and not holders
-        self.copies.after_form(roster, getattr(self.forming, "secured", None))
-        self.forming.clear()
-        self._restock()
-        return Reformed(step=at.step, nodes=list(roster.nodes), source=source,
-                        state_from="memory" if source is not None else "copy" if from_copy else "object_store",
-                        replaced=sorted(r for r in placed if r in dead or r in starting),
-                        dropped=dropped, moved=sorted(moved),
-                        added=len(joiners),
-                        resynced=[r for r in holders if holders[r].position != at.position])
-
-    def _take_state(self, holders: dict[int, Status], leave: list[int]) -> tuple[int | None, Any, Status]:
-        """forming.take_state; with no survivor and nothing secured by this recovery, the
-        copy a lone survivor kept (copies.py), which is secured for this recovery then."""
-        try:
-            return self.forming.take_state(holders, avoid=leave)
-        except NoSurvivors:
-            kept = self.copies.newest()
-            if kept is None:
-                raise
-            self.forming.secured = kept
-            return None, kept[1], kept[0]
+        """Re-form the process group after a failure or a pause, from a survivor's state
+        (reforming.from_survivor)."""
+        return reforming.from_survivor(self, dead, leave, regrow)
 
     def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
                           leave: list[int] = ()) -> Reformed:
-        """Sharded state: replace the `dead` ranks (the same slots, so the same world size)
-        and form the group again from the newest peer snapshot left of every rank's state
-        (policy.choose_snapshot): survivors load their own, each replacement the copy its
-        successor holds, which the driver secures first (forming.secure_copies). Every
-        worker builds its training state anew in the new group (a sharded model is bound to
-        the group it was sharded over); the run replays the steps since the snapshot.
-        Raises NoSurvivors when no snapshot serves or a replacement cannot be placed (a
-        checkpoint is the way back then), and ReformFailed when a worker is lost meanwhile.
-
-        The world size changes where ranks in `regrow` are dropped at once (a fast recovery:
-        their replacements start once the group has formed and join at a later grow), where
-        `grow` adds the workers ready to join, or where a `leave` rank (alive, on a
-        draining node) has no replacement up: then every rank's snapshot is secured in the
-        object store and each worker of the new group re-shards from all of them
-        (worker/reshard.py)."""
-        roster = self.roster
-        world = len(roster.actors)
-        leave = [r for r in leave if r not in dead]
-        others = [r for r in range(world) if r not in dead]
-        regrow = [r for r in regrow if r in dead] if others else []
-        kept = self.forming.resharding  # every rank's snapshot, secured by an earlier attempt
-        if not (regrow or grow or leave or kept):
-            return self._same_size_from_peers(dead)
-        asked = self._replace(dead, regrow)
-        try:
-            if kept is not None:
-                step, parts, peers = kept[0], kept[1], {}
-            else:
-                held = self.forming.answers(others, "snapshots_held")
-                secured = {rank: step for rank, (step, _) in self.forming.copies.items()}
-                step, why = choose_snapshot(world, dead, held, secured)
-                if step is None:
-                    raise NoSurvivors(f"no peer snapshot serves: {why}")
-                parts, peers = self.forming.secure_all(step, world, others, held)
-        except ReformFailed as exc:  # before the ranks are renumbered: those left behind are gone too
-            raise ReformFailed(exc.failures, sorted(set(exc.dead) | set(regrow)), world) from None
-        moved: dict[int, Node] = {}
-        for rank in leave:  # its snapshot is secured: it goes, for its replacement if up
-            self.kill(rank)
-            node = self.moves.take(roster, rank) if rank in self.moves else None
-            if node is not None:
-                moved[rank] = node
-        waited = [r for r in dead if r not in regrow]
-        placed = self.slots.wait_placed(roster, waited, len(others) - len(leave) + len(moved), asked)
-        for rank in dead:
-            if rank not in placed:
-                ray.kill(roster.actors[rank], no_restart=True)
-        missing = [r for r in waited if r not in placed]
-        if missing:
-            raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
-                              f"scaling.replace_timeout_s={self.config.scaling.replace_timeout_s:g}")
-        joiners = self.slots.ready_joiners(take=True) if grow else []
-        placed.update(moved)
-        keep = [r for r in range(world) if r in placed or (r not in dead and r not in leave)]
-        self.moves.cancel_all()
-        if leave:
-            self.spares.keep_only_on({(placed.get(r) or roster.nodes[r]).node_id for r in keep})
-        # A worker that stays in its own process loads its own snapshot from memory.
-        own = {r for r in keep if r not in placed and kept is None}
-        loads = [Reshard(step, tuple(Snapshot(step, r) if r == old and r in own else parts[r]
-                                     for r in range(len(parts))))
-                 for old in keep + [None] * len(joiners)]
-        roster.actors = [roster.actors[r] for r in keep] + [actor for _, actor, _ in joiners]
-        roster.slots = [roster.slots[r] for r in keep] + [slot for slot, _, _ in joiners]
-        roster.nodes = [placed.get(r) or roster.nodes[r] for r in keep] + [node for _, _, node in joiners]
-        # Until the group has formed, any attempt can re-shard from these, whoever is left.
-        self.forming.resharding = (step, parts)
-        dropped = [r for r in dead + leave if r not in placed]
-        try:
-            self.forming.form({rank: (None, load) for rank, load in enumerate(loads)}, self.use_gpu)
-        except ReformFailed as exc:
-            raise ReformFailed(exc.failures, exc.dead, len(roster.actors), renumbered=(keep, dropped)) from None
-        self.forming.clear()
-        self._restock()
-        return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
-                        replaced=sorted(r for r in placed if r in dead),
-                        dropped=dropped, moved=sorted(moved),
-                        added=len(joiners), snapshot_step=step, peers=peers)
-
-    def _same_size_from_peers(self, dead: list[int]) -> Reformed:
-        roster = self.roster
-        world = len(roster.actors)
-        lost = dead + self._starting_ranks(dead)  # a replacement not up yet holds nothing either
-        asked = self._replace(dead)
-        others = [r for r in range(world) if r not in lost]
-        held = self.forming.answers(others, "snapshots_held")
-        secured = {rank: step for rank, (step, _) in self.forming.copies.items()}
-        step, why = choose_snapshot(world, lost, held, secured)
-        if step is None:
-            raise NoSurvivors(f"no peer snapshot serves: {why}")
-        loads, peers = self.forming.secure_copies(step, world, others, held)
-        placed = self.slots.wait_placed(roster, lost, len(others), asked)
-        self._starting = []
-        missing = [r for r in lost if r not in placed]
-        if missing:
-            raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
-                              f"scaling.replace_timeout_s={self.config.scaling.replace_timeout_s:g}, and peer "
-                              "snapshots restore the same world size only")
-        roster.nodes = [placed.get(r) or roster.nodes[r] for r in range(world)]
-        self.forming.form({rank: (None, loads[rank]) for rank in range(world)}, self.use_gpu)
-        self.forming.clear()
-        self._restock()
-        return Reformed(step=step, nodes=list(roster.nodes), source=None, state_from="peers",
-                        replaced=sorted(lost), snapshot_step=step, peers=peers)
-
-    def _replace(self, dead: list[int], regrow: list[int] = ()) -> dict[int, Any]:
-        """Kill the `dead` ranks' workers and start their replacements: the one started for
-        a draining node's rank, else a warm spare that is up on its node (in the rank's
-        slot), else a new worker in a new slot (its node may be lost: slots.py); none for the
-        ranks in `regrow` (reform starts theirs later). Returns, by rank, the node() call a
-        replacement already answers (a spare's, made as it started), for wait_placed."""
-        roster = self.roster
-        asked: dict[int, Any] = {}
-        for rank in dead:
-            self.kill(rank)
-            if rank in self.moves:  # its node was drained: its replacement is elsewhere
-                self.moves.take(roster, rank, wait=True)
-                continue
-            taken = None if rank in regrow else self.spares.take(roster.nodes[rank].node_id)
-            if taken is not None:
-                roster.actors[rank], asked[rank] = taken
-                continue
-            roster.slots[rank] = self.slots.renew(roster.slots[rank])
-            if rank not in regrow:
-                roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
-                self._starting.append(roster.actors[rank])
-        # Replacements of the ranks left behind, and the next spares, start once the group
-        # has formed (_restock), not now: starting a process and importing torch took the
-        # cores the recovery needed (on 2 cores, it held up the spare taking over when that
-        # was still starting), and one started now would still be starting at a recovery's
-        # next attempt.
-        return asked
+        """Sharded state: re-form the process group from the newest peer snapshots
+        (reforming.from_peers)."""
+        return reforming.from_peers(self, dead, regrow, grow, leave)
 
     def _starting_ranks(self, dead: list[int]) -> list[int]:
         """The ranks (not in `dead`) whose worker is a replacement that an earlier attempt
@@ -443,24 +240,3 @@ class RayWorkerGroup:
         waited for like the new ones, not asked and taken for hung."""
         return [r for r, actor in enumerate(self.roster.actors)
                 if r not in dead and any(actor is a for a in self._starting)]
-
-    def _restock(self) -> None:
-        """Once a group has formed: start a worker in every free slot placed (the ranks left
-        behind by a recovery get their replacements; they join at a resize), and, once none
-        is starting, the spares used up."""
-        self.slots.start_joiners(self.roster.slots + self.moves.slots_in_use(), self.draining)
-        if not self.slots.starting():
-            self.spares.start(self.roster)
-
-    def _drain(self, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Rank 0's new rows and events. A call not answered within `timeout` (rank 0 is
-        frozen, or the machine busy) is collected at the next poll, never asked twice."""
-        if self._drain_ref is None:
-            self._drain_ref = control(self.roster.actors[0], "drain").remote()
-        if not ray.wait([self._drain_ref], timeout=timeout)[0]:
-            return [], []
-        ref, self._drain_ref = self._drain_ref, None
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError:
-            return [], []  # rank 0 died; its run() ref says why

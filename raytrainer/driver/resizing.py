@@ -1,0 +1,103 @@
+"""The run's world size, for the controller: when an elastic run grows (the cluster has room:
+newcomers are started, and once they are up the workers are to pause, policy.grow_now), how
+long a run may go on below min_workers (a fast recovery's lost workers, whose replacements
+are coming), and the events that say the size changed (`resized`; `left_node` for the
+workers that left a draining node).
+
+The controller pauses the workers and re-forms the group (controller.py); this says when to
+grow, and writes down what a re-form changed."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..contract import Node, Reformed, WorkerGroup
+from ..errors import PlacementError
+from .metrics import EventLog
+from .policy import grow_now
+
+if TYPE_CHECKING:
+    from .controller import ControllerSettings
+
+
+class Resizing:
+    def __init__(self, group: WorkerGroup, events: EventLog, settings: ControllerSettings):
+        self.group, self.events = group, events
+        self.min_workers = settings.min_workers
+        self.max_workers = settings.max_workers or settings.min_workers
+        self.check_s = settings.grow_check_s
+        self.patience_s = settings.replace_timeout_s
+        self.placement_timeout_s = settings.placement_timeout_s
+        self.checked_at = -math.inf  # due at once
+        self._up_at: float | None = None  # since when newcomers are up, waiting for the rest
+        self._short_since: float | None = None  # since when the run trains below min_workers
+        self.regrowing = 0  # ranks left behind by a fast recovery, whose replacements are coming
+
+    def room(self, world: int) -> bool:
+        """About once every check_s, while below max_workers: start workers where the cluster
+        has room; whether some are up to join now (the workers are to pause for a resize)."""
+        now = time.monotonic()
+        if world >= self.max_workers or now - self.checked_at < self.check_s:
+            return False
+        self.checked_at = now
+        ready = self.group.joinable()
+        if not ready:
+            self._up_at = None
+            return False
+        self._up_at = self._up_at or now
+        if not grow_now(ready, self.group.joiners_starting(), now - self._up_at, self.patience_s):
+            return False
+        self._up_at = None
+        return True
+
+    def formed(self, world: int) -> None:
+        """A group formed from scratch: no rank left behind is coming."""
+        self.regrowing = 0
+        self.note_size(world)
+
+    def note_size(self, world: int) -> None:
+        """Start (or stop) the clock of a run below min_workers."""
+        if world >= self.min_workers:
+            self._short_since = None
+        elif self._short_since is None:
+            self._short_since = time.monotonic()
+
+    def check_short(self, world: int) -> None:
+        """A run that went on below min_workers after a failure (failure.recovery: fast) waits
+        for its replacements up to scaling.placement_timeout_s, as a recovery that waits for
+        them does, then fails: a fixed-size run keeps its world size."""
+        if self._short_since is None or time.monotonic() - self._short_since < self.placement_timeout_s:
+            return
+        raise PlacementError(
+            f"only {world} workers for {time.monotonic() - self._short_since:.0f} s, fewer than "
+            f"scaling.min_workers={self.min_workers}: the lost workers' replacements were not placed and "
+            f"up within scaling.placement_timeout_s={self.placement_timeout_s:g}. Add nodes, or lower "
+            "scaling.min_workers (or num_workers)")
+
+    def resized(self, old_world: int, world: int, old_nodes: list[Node], leaving: dict[int, dict[str, Any]],
+                reformed: Reformed, seconds: float) -> None:
+        """The group re-formed after a pause, from `old_world` ranks on `old_nodes` to `world`,
+        without the `leaving` ones (rank -> its node's drain); `seconds`: the pause."""
+        for node_id in sorted({d["node_id"] for d in leaving.values()}):
+            ranks = sorted(r for r, d in leaving.items() if d["node_id"] == node_id)
+            drain = leaving[ranks[0]]
+            self.events.log("left_node", step=reformed.step, node=old_nodes[ranks[0]].ip, node_id=node_id,
+                            deadline=drain["deadline"], ranks=ranks,
+                            moved=[r for r in ranks if r in reformed.moved],
+                            dropped=[r for r in ranks if r in reformed.dropped], seconds=seconds,
+                            seconds_to_deadline=(round(drain["deadline"] - time.time(), 3)
+                                                 if drain["deadline"] else None),
+                            steps_lost=0, reason=drain["reason"], pids=[n.pid for n in reformed.nodes])
+        if world != old_world or not leaving:  # replacements in the leavers' places: no resize
+            cause = ("preemption" if leaving else "lost workers replaced" if self.regrowing and reformed.added
+                     else "room to grow")
+            self.log_resize(old_world, world, reformed, seconds, cause)
+        self.regrowing = max(0, self.regrowing - reformed.added)
+
+    def log_resize(self, old_world: int, world: int, reformed: Reformed, seconds: float, cause: str) -> None:
+        """`seconds`: the pause of training, from the workers stopping to them going on."""
+        self.events.log("resized", step=reformed.step, old_world_size=old_world, new_world_size=world,
+                        seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped,
+                        pids=[n.pid for n in reformed.nodes])
