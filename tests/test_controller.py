@@ -767,6 +767,7 @@ class SlowGroup(FakeGroup):
 
 def test_a_slow_worker_is_not_hung_however_long_it_takes(tmp_path, monkeypatch):
     import raytrainer.driver.controller as controller_module
+    import raytrainer.driver.watchdog as watchdog_module
 
     class Clock:
         now = 1000.0
@@ -778,7 +779,8 @@ def test_a_slow_worker_is_not_hung_however_long_it_takes(tmp_path, monkeypatch):
             return self.now
 
     clock = Clock()
-    monkeypatch.setattr(controller_module, "time", clock)
+    for module in (controller_module, watchdog_module):  # the hang check runs in the watchdog, on this clock
+        monkeypatch.setattr(module, "time", clock)
     group = SlowGroup(clock, seconds=20)  # step_timeout_s 3, 20 s without a batch done
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
