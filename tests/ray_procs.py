@@ -2,6 +2,7 @@
 temp dir, which every one of its processes carries on its command line, so we can
 find and stop exactly those processes and never another test's (no `ray stop`)."""
 
+import atexit
 import contextlib
 import os
 import secrets
@@ -37,7 +38,9 @@ def own_ray_env(**extra: str) -> dict:
     machine with no other Ray: no RAY_ADDRESS, and a RAY_TMPDIR of its own, where no
     `ray start` or cluster_utils head of this session has recorded an address to join."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=short_temp_dir(), **extra)
+    folder = short_temp_dir()
+    atexit.register(shutil.rmtree, folder, True)  # the command's Ray has stopped by then
+    env.update(RAY_TMPDIR=folder, **extra)
     return env
 
 
