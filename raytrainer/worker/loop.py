@@ -5,7 +5,10 @@ validation, and decides what happens after a step. What it holds lives in small 
 the training state (state.py: model, optimizer, scheduler, scaler, EMA), the strategy
 that divides it over the ranks (strategy.py: DDP, or FSDP in sharded.py), the metrics
 window with the pause agreement (window.py), the checkpoint saver (saver.py), early
-stopping (stopping.py) and injected faults (chaos.py).
+stopping (stopping.py) and injected faults (chaos.py). What it is built with is derived
+once from the config (sizing.py: the world sizes, the BatchPlan at any of them, the run's
+length); the parts of the step (step.py), a validation in this process (evaluate.py), and
+what a rank starts from and leaves behind (handover.py) are functions of the loop beside it.
 
 One code path for 1 or N workers. An optimizer step consumes one global batch:
 this rank's share of it in `accumulation` micro-batches, gradients synchronised
@@ -44,22 +47,22 @@ import torch
 
 from ..callbacks import Callbacks
 from .chaos import Chaos
-from ..checkpoint import Checkpoints, Committed
+from ..checkpoint import Checkpoints
 from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ..contract import Reshard, Snapshot
-from ..data import BatchPlan, batch_size_of, to_device
-from .dist import all_reduce_sum
-from ..errors import ConfigError
-from .input import ValInput, build_train_input, dataset_size
-from .saver import CheckpointSaver
-from .schedule import build_lr_schedule
-from .snapshot import PeerSnapshots, check_memory, estimate_bytes, load, ranks_on_this_machine, restore
+from ..data import BatchPlan
+from .input import ValInput, build_train_input
+from .evaluate import validate_here
+from .handover import bind_snapshots, check_resumable, checkpoint_saver, leave, starting_state
+from .sizing import Sizing, build_scheduler
+from .snapshot import PeerSnapshots
 from .state import TrainState
+from .step import accumulate, finite, step_row, update
 from .stopping import EarlyStopping
 from .strategy import build_strategy
 from ..task import Task
 from .validation import AsyncValidation
-from .nonfinite import NonFiniteSteps, what_is_not_finite
+from .nonfinite import NonFiniteSteps
 from .outputs import StepOutputs
 from .window import MetricsWindow, Report
 
@@ -120,50 +123,21 @@ class Loop:
         cfg, outlets = settings.trainer, outlets or Outlets()
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
-        # scaling.num_workers: the world size global_batch_size and the LR are given for
-        # (what the per_worker batch policy scales from).
-        self.base_world_size = settings.base_world_size or world_size
-        self.min_world_size = settings.min_world_size or 1
-        self._report = outlets.report
-        self.notify = outlets.notify  # lifecycle events for the driver's log
-        self.callbacks = outlets.callbacks
-        most = max(world_size, settings.max_world_size or 0)  # what an elastic run may grow to
-        self.strategy = build_strategy(cfg, most, task)
+        self._report, self.notify, self.callbacks = outlets.report, outlets.notify, outlets.callbacks
+        self.sizing = sizing = Sizing.of(settings, world_size)
+        self.max_steps, self.max_epochs = sizing.max_steps, sizing.max_epochs
+        self.base_world_size = sizing.base_world_size  # what lr_scale scales from
+        self.strategy = build_strategy(cfg, sizing.most_world_size, task)
         self.train = TrainState.build(task, cfg, self.strategy, device)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-
-        self.train_data = task.train_dataset()
-        self.val_data = task.val_dataset()
-        self.plan = self._plan()
-        self._plan(most)  # the largest global batch (per_worker) must fit too: fail now, not at a grow
-        if self.val_data is not None and len(self.val_data) < most:
-            raise ConfigError(
-                f"the validation dataset has {len(self.val_data)} samples, fewer than the "
-                f"{most} workers (scaling.max_workers); give it at least one sample per worker"
-            )
-        if cfg.early_stopping and self.val_data is None:
-            raise ConfigError("trainer.early_stopping needs a validation dataset; the task has none")
+        self.train_data, self.val_data = task.train_dataset(), task.val_dataset()
+        self.plan = sizing.check(self.train_data, self.val_data, world_size)
         # How micro-batches are read (in this thread, loader processes, a stream): input.py.
-        data = settings.data
-        self.train_input = build_train_input(self.train_data, data, max_epochs=cfg.max_epochs, rank=rank,
+        self.train_input = build_train_input(self.train_data, settings.data, max_epochs=cfg.max_epochs, rank=rank,
                                              plan=self.plan, device=device)
-        self.val_input = ValInput(self.val_data, data, device) if self.val_data is not None else None
-        # Training stops at max_steps optimizer steps or at the end of epoch max_epochs.
-        self.max_steps = cfg.fast_dev_run or cfg.max_steps
-        self.max_epochs = None if cfg.fast_dev_run else cfg.max_epochs
-        # The LR schedule's length (and the progress bar's): exact with a fixed global batch;
-        # under per_worker, the steps at base_world_size workers (a resize changes how many
-        # steps an epoch takes, not the schedule).
-        by_epochs = self.max_epochs * self._plan(self.base_world_size).steps_per_epoch if self.max_epochs else None
-        self.total_steps = min(s for s in (by_epochs, self.max_steps) if s is not None)
-        self.train.scheduler = task.build_scheduler(self.optimizer, self.total_steps)
-        if cfg.lr_schedule is not None:
-            if self.train.scheduler is not None:
-                raise ConfigError(
-                    f"{type(task).__name__}.build_scheduler returns a scheduler and "
-                    "trainer.lr_schedule is set too; keep one of them"
-                )
-            self.train.scheduler = build_lr_schedule(self.optimizer, self.total_steps, cfg.lr_schedule)
+        self.val_input = ValInput(self.val_data, settings.data, device) if self.val_data is not None else None
+        self.total_steps = sizing.total_steps(self.train_data)
+        self.train.scheduler = build_scheduler(task, self.optimizer, self.total_steps, cfg)
         self.flops_per_sample = getattr(task, "flops_per_sample", None)
         self.tokens_per_sample = getattr(task, "tokens_per_sample", None)
         self.peak_flops = cfg.peak_flops_per_worker or _known_peak(device)
@@ -184,34 +158,16 @@ class Loop:
         self.window = MetricsWindow(self._report if rank == 0 else _drop, lambda: self._phase("collective"))
         self.latest_metrics = self.window.latest  # what keep_best ranks checkpoints by
         self.outputs = StepOutputs(task, device)  # what train_step and val_step return
-        self.saver = CheckpointSaver(outlets.checkpoints, settings.checkpoint, self._committed,
-                                     replicated=self.strategy.replicated, rank=rank, on_failure=self._save_failed)
-        self.validation = AsyncValidation.build(self, cfg, settings.task, most)  # None: in this loop
-        sharded = isinstance(state, (str, Snapshot, Reshard))
-        if (state is not None) and sharded == self.strategy.replicated:
-            written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
-            raise ConfigError(f"the checkpoint to resume from is {written} but this run has trainer.strategy="
-                              f"{cfg.strategy}; resume it with the strategy it was written with")
-        if isinstance(state, str):  # a sharded checkpoint's URI: each rank reads its own shards
-            state = self.strategy.read_checkpoint(state, self.state_dict())
-        elif isinstance(state, Snapshot):  # a peer snapshot of this rank's shards
-            state = restore(self.state_dict(), load(state))
-        elif isinstance(state, Reshard):  # every rank's snapshot, of another world size (parts with data)
-            from .reshard import reshard
-
-            state = reshard(self.state_dict(), [load(part) for part in state.parts])
+        self.saver = checkpoint_saver(self, outlets.checkpoints, settings.checkpoint)
+        self.validation = AsyncValidation.build(self, cfg, settings.task, sizing.most_world_size)  # None: in this loop
+        state = starting_state(state, self.strategy, cfg, self.state_dict)
         if state is not None:
             self.load_state_dict(state)
             # A run resumed from a checkpoint decides anew whether to stop (its max_steps
             # may be larger now); a survivor's state keeps its reason (see regroup).
             self.stop_reason = None
         self.model = self.strategy.wrap(self.module, world_size, device)  # last: the state is final
-        # Peer snapshots (snapshot.py): for sharded state only, which no survivor holds whole.
-        self.snapshots = None if self.strategy.replicated else outlets.snapshots
-        if self.snapshots is not None:
-            check_memory(estimate_bytes(self.module, self.optimizer, self.ema), ranks_on_this_machine(),
-                         "failure.snapshot_every_n_steps")
-            self.snapshots.bind(rank, world_size)
+        self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
         self._last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
         self.pause_requested = False  # set by the driver's thread: pause at a common step
@@ -221,6 +177,7 @@ class Loop:
     # What the driver learns as the group forms (contract.Formed).
     steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
     replicated = property(lambda self: self.strategy.replicated)
+    min_world_size = property(lambda self: self.sizing.min_world_size)
 
     # The parts of the training state callbacks and tasks know the loop by.
     module = property(lambda self: self.train.module)
@@ -265,24 +222,7 @@ class Loop:
         if self.validation is not None and not self.paused:
             self.validation.finish()
         self.flush(wait=True)
-        if self.paused:  # for a resize: regroup(), then fit() again
-            if self.snapshots is not None and self.snapshots.every:  # re-sharded from memory (reshard.py)
-                self.snapshots.keep(self.step, self.state_dict())
-                self.saver.finish()  # an asynchronous save in flight runs on this group
-            elif not self.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
-                self.save_checkpoint()
-                self.saver.finish()
-            return None
-        self.close_inputs()
-        if not self.cfg.fast_dev_run:
-            # The end of the run (a no-op if this step is saved): tried again if it fails, and
-            # the run fails (StorageError) only if it cannot be made.
-            self.saver.save(self.step, self.state_dict, self.latest_metrics, final=True)
-            self.saver.finish()
-        self.stop_reason = self.stop_reason or ("fast_dev_run" if self.cfg.fast_dev_run else "completed")
-        self.callbacks("on_run_end", self)
-        with self.train.averaged() as final:
-            return self.strategy.full_weights(final)
+        return leave(self)
 
     def _done(self) -> bool:
         return ((self.max_steps is not None and self.step >= self.max_steps)
@@ -317,36 +257,14 @@ class Loop:
         _seed_all(self.cfg.seed, self.rank, step, self.device)
         self.train.begin_step()
         self.chaos.arm(step, self.rank, self.world_size, self._step_seconds)
-        sizes = self.plan.micro_batch_sizes(self.rank)
-        batches = self.train_input.batches(self.epoch, self.position, self.step)
-        last = len(sizes) - 1
-        lr = float(self.optimizer.param_groups[0]["lr"]) * self.lr_scale  # the LR this step uses
-        scaler = self.scaler
+        optimizer, scaler, lr_scale = self.optimizer, self.scaler, self.lr_scale
+        lr = float(optimizer.param_groups[0]["lr"]) * lr_scale  # the LR this step uses
         carrier = self.strategy.carrier  # the metrics ride on the gradient all-reduce (DDP)
-        total = None  # the step's metrics, weighted like the loss (this rank's share)
-        for i, size in enumerate(sizes):
-            divisor = self.plan.loss_divisor(size)
-            sync = i == last
-            with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
-                with self._in_user_code():
-                    batch = to_device(next(batches), self.device)
-                    with self._autocast():
-                        out = self.task.train_step(self.model, batch)
-                loss, values = self.outputs.loss(out), self.outputs.stack(out, "train")
-                if divisor != 1:  # one micro-batch a step: nothing to divide (x / 1 is x)
-                    loss, values = loss / divisor, values / divisor
-                total = values if total is None else total + values
-                if sync and carrier is not None:
-                    carrier.send(total, self.pause_requested, self._save_wanted(), self.world_size)
-                # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
-                # the last backward.
-                with self._phase("collective") if sync and self.world_size > 1 else _NO_PHASE:
-                    (scaler.scale(loss) if scaler else loss).backward()
-            self.progress += 1
+        total = accumulate(self, scaler, carrier)  # the step's metrics, weighted like the loss (this rank's share)
         carried = carrier.receive() if carrier is not None else None
 
         if scaler is not None:
-            scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+            scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
         norm = None
         if self.cfg.grad_clip_norm is not None:
             norm = self.strategy.clip_grad_norm(self.module, self.cfg.grad_clip_norm)
@@ -355,111 +273,29 @@ class Loop:
         if self.cfg.nonfinite != "off":
             if carried is not None:
                 carried = carried.tolist()  # the step's one copy to the host: the check's, and the window's
-            what = what_is_not_finite(step, self.outputs.keys["train"].index("loss"), total, carried, norm, rank=self.rank,
-                                      world_size=self.world_size, grads=scaler is None, module=self.module,
-                                      waiting=lambda: self._phase("collective"))
-            if what is None:
-                self.nonfinite.finite()
-            else:
-                self.nonfinite.drop(step, what, self.rank)  # or the run stops here
-                self.train.abandon_step()  # its gradients and BatchNorm statistics go; the data moves on
-                applied = False
-        if self.cfg.grad_clip_norm is not None:
+            applied = finite(self, step, total, carried, norm, scaler)
+        if norm is not None:
             # The norm of all-reduced gradients is the same on every rank: carried steps
             # report it as it is; a window reduces it with the rest.
             total = norm if carried is not None else torch.cat([total, norm])
         elif carried is not None:
             total = None
         if applied:  # else a non-finite step, skipped (trainer.nonfinite: skip)
-            with self._scaled_lr():
-                if scaler is not None:
-                    scale = scaler.get_scale()
-                    scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan
-                    scaler.update()
-                    applied = scaler.get_scale() >= scale  # the scale only drops on overflow
-                    self.skipped_steps += not applied
-                else:
-                    self.optimizer.step()
-        if applied:
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.train.update_ema()
-        self.optimizer.zero_grad(set_to_none=True)
+            update(self, optimizer, scaler, lr_scale)
+        optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.position += self.plan.global_batch_size
         self._after_pending = True
         self._step_seconds = time.perf_counter() - started
-
-        now = time.perf_counter()
-        rate = self.plan.global_batch_size / max(now - self._last_time, 1e-9)
-        self._last_time = now
-        info = self._row(self.step, self.epoch, {"lr": lr, "samples_per_s": rate})
-        if self.tokens_per_sample:
-            info["tokens_per_s"] = rate * self.tokens_per_sample
-        if self.flops_per_sample:
-            info["model_flops_per_s"] = rate * self.flops_per_sample
-            if self.peak_flops:
-                info["mfu"] = info["model_flops_per_s"] / (self.peak_flops * self.world_size)
-        if scaler is not None:
-            info["skipped_steps"] = self.skipped_steps
-        if self.cfg.nonfinite == "skip":
-            info["nonfinite_skips"] = self.nonfinite.skips
-        self.window.add(info, total, carried)
+        self.window.add(step_row(self, lr, scaler), total, carried)
         if self.chaos.due:
             with self._in_user_code():
                 self.chaos.act(self.step, self.rank)
 
-    @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, float] | None:
-        if self.validation is not None and self.validation.takes(epoch):
-            return None  # asked of the validation actors; training goes on
-        self.flush(wait=True)
-        if self.val_data is None:
-            return None
-        # EMA weights when on; never the DDP wrapper: its forward adds collectives, and
-        # validation shards may differ in length by one. A sharded model's forward is a
-        # collective itself: every rank then runs as many batches as the longest shard
-        # has, the ranks short of one repeating a batch whose result is not counted.
-        with self.train.averaged() as model:
-            metrics = self._validate(model)
-        self.latest_metrics.update(metrics)
-        self.stop_reason = self.stopping.check(metrics) or self.stop_reason
-        self.window.report([self._row(self.step, epoch, metrics)])
-        self.callbacks("on_validation_end", self, metrics)
-        self._last_time = time.perf_counter()  # validation time is not training throughput
-        return metrics
-
-    def _validate(self, model: torch.nn.Module) -> dict[str, float]:
-        """The validation metrics of `model`, reduced over ranks."""
-        model.eval()
-        total, count, done = None, 0, 0
-        limit = self.cfg.fast_dev_run or None
-        rounds = None if self.strategy.replicated else self.val_input.most_batches(
-            self.world_size, self.plan.micro_batch_size, limit)
-        batches = self.val_input.batches(self.rank, self.world_size, self.plan.micro_batch_size, limit)
-        batch = None
-        while True:
-            with self._in_user_code():
-                last, batch = batch, next(batches, None)
-                if batch is None and (rounds is None or done >= rounds or last is None):
-                    break
-                counted = batch is not None
-                batch = to_device(batch, self.device) if counted else last
-                with self._autocast():
-                    out = self.task.val_step(model, batch)
-            done += 1
-            self.progress += 1
-            if not counted:
-                continue
-            n = batch_size_of(batch)
-            values = self.outputs.stack(out, "val") * n
-            total = values if total is None else total + values
-            count += n
-        model.train()
-        with self._phase("collective"):
-            sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
-        means = (sums[:-1] / sums[-1]).tolist()
-        return {f"val_{k}": v for k, v in zip(self.outputs.keys["val"], means)}
+        """Validate after step `self.step` (see evaluate.py); None where the validation actors
+        were asked instead, or the task has no validation set."""
+        return validate_here(self, epoch)
 
     def flush(self, wait: bool = False) -> None:
         """Reduce the buffered steps' metrics over ranks and report them (see window.py)."""
@@ -488,15 +324,7 @@ class Loop:
         """Continue exactly where `state` was taken: the next step is state's step + 1, at
         the same global sample index, whatever the world size now is."""
         saved = state["loop"]
-        if saved.get("kind") == "loop":
-            raise ConfigError("the checkpoint to resume from was written by a run of your own loop "
-                              "(task.loop), not by a raytrainer.Task; resume it with that loop")
-        if saved["global_batch_size"] != self.cfg.global_batch_size:
-            raise ConfigError(
-                f"the checkpoint was trained with trainer.global_batch_size="
-                f"{saved['global_batch_size']}, this run has {self.cfg.global_batch_size}; "
-                "resuming needs the same global batch (the steps, the schedule and the LR were set for it)"
-            )
+        check_resumable(saved, self.cfg)
         self.train.load_state_dict(state)
         self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
         self.nonfinite.skips = saved.get("nonfinite_skips", 0)
@@ -526,19 +354,6 @@ class Loop:
             return False
         self._save_asked = True  # once: its step's sums carry it to the next flush on every rank
         return True
-
-    def _save_failed(self, step: int, path: str, cause: str) -> None:
-        self.notify({"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
-                     "kept_step": self.saver.committed_step if self.saver.committed_step >= 0 else None})
-
-    def _committed(self, ckpt: Committed, path: str) -> None:
-        self.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,
-                     "bytes": sum(f["size"] for f in ckpt.manifest["files"].values()),
-                     # how long the save held the training thread (async: the copy of the state)
-                     "blocked_s": round(self.saver.blocked_s.pop(ckpt.step, 0.0), 4)})
-        if self.validation is not None:
-            self.validation.committed(ckpt)
-        self.callbacks("on_checkpoint", self, path)
 
     # ------------------------------------------------------------------ recovery
 
@@ -576,44 +391,19 @@ class Loop:
     # ------------------------------------------------------------------ helpers
 
     def _plan(self, world_size: int | None = None) -> BatchPlan:
-        world = world_size or self.world_size
-        batch = self.cfg.global_batch_size
-        if self.cfg.batch_policy == "per_worker":
-            batch = batch // self.base_world_size * world
-        # A run that went on without a lost worker (failure.recovery: fast) keeps the memory
-        # of a forward pass at min_workers: the survivors accumulate more micro-batches.
-        micro = self.cfg.micro_batch_size or -(-batch // max(world, self.min_world_size))
-        return BatchPlan(dataset_size(self.train_data), batch, micro, world, self.cfg.seed,
-                         overfit_batches=self.cfg.overfit_batches)
+        return self.sizing.plan(self.train_data, world_size or self.world_size)
 
     @property
     def lr_scale(self) -> float:
         """What the per_worker policy multiplies every LR by: the linear scaling rule."""
         return self.world_size / self.base_world_size if self.cfg.batch_policy == "per_worker" else 1.0
 
-    @contextlib.contextmanager
-    def _scaled_lr(self):
-        """The optimizer steps with every param group's LR times lr_scale; the scheduler
-        and the saved state keep the unscaled LRs."""
-        scale = self.lr_scale
-        if scale == 1.0:  # nothing touched: bit-identical to a fixed run
-            yield
-            return
-        saved = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] * scale
-        try:
-            yield
-        finally:
-            for group, lr in zip(self.optimizer.param_groups, saved):
-                group["lr"] = lr
-
     def _phase(self, phase: str) -> _Phase:
         """Where this rank is, for the driver's hang check (see Worker.status)."""
         return _Phase(self, phase)
 
-    def _in_user_code(self):
-        return self._phase("user")
+    def _in_user_code(self) -> _Phase:
+        return _Phase(self, "user")
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -622,9 +412,6 @@ class Loop:
 
     def _row(self, step: int, epoch: int, metrics: dict[str, float]) -> dict[str, Any]:
         return {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time(), **metrics}
-
-
-_NO_PHASE = contextlib.nullcontext()
 
 
 class _Phase:

@@ -1,0 +1,122 @@
+"""A rank's state at the loop's edges: what the loop starts from when it is built, and what
+it leaves behind: checkpoints, told to the driver's log as they commit or fail; at a pause
+for a resize, what the next group needs; at the end of the run, the final checkpoint and
+weights.
+
+A replicated state (DDP) arrives whole: a survivor's, or the checkpoint rank 0 read. A
+sharded one (FSDP) arrives as where to find this rank's part: a checkpoint's URI (each rank
+reads its own shards), a peer snapshot of its shards, or every rank's snapshots of another
+world size, re-sharded onto this one. Either is checked first: a state resumes with the
+strategy and the global batch it was written with, and a Task's loop does not resume your
+own loop's state. Peer snapshots are kept for sharded state only, which no survivor holds
+whole; at a pause they are what the next group re-shards, or, without them, a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..checkpoint import Checkpoints, Committed
+from ..config import CheckpointConfig, TrainerConfig
+from ..contract import Reshard, Snapshot
+from ..errors import ConfigError
+from .saver import CheckpointSaver
+from .snapshot import PeerSnapshots, check_memory, estimate_bytes, load, ranks_on_this_machine, restore
+from .state import TrainState
+from .strategy import Strategy
+
+if TYPE_CHECKING:
+    from .loop import Loop
+
+
+def starting_state(state: dict[str, Any] | str | Snapshot | Reshard | None, strategy: Strategy,
+                   cfg: TrainerConfig, template: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    """The state dict to load (None: start afresh). `template`: the loop's state_dict, whose
+    layout a sharded state is read into."""
+    sharded = isinstance(state, (str, Snapshot, Reshard))
+    if (state is not None) and sharded == strategy.replicated:
+        written = "sharded (trainer.strategy: fsdp)" if sharded else "replicated (strategy: ddp)"
+        raise ConfigError(f"the checkpoint to resume from is {written} but this run has trainer.strategy="
+                          f"{cfg.strategy}; resume it with the strategy it was written with")
+    if isinstance(state, str):  # a sharded checkpoint's URI: each rank reads its own shards
+        return strategy.read_checkpoint(state, template())
+    if isinstance(state, Snapshot):  # a peer snapshot of this rank's shards
+        return restore(template(), load(state))
+    if isinstance(state, Reshard):  # every rank's snapshot, of another world size (parts with data)
+        from .reshard import reshard
+
+        return reshard(template(), [load(part) for part in state.parts])
+    return state
+
+
+def check_resumable(saved: dict[str, Any], cfg: TrainerConfig) -> None:
+    """Raise where the loop's part of a state (`saved`) cannot go on in this run."""
+    if saved.get("kind") == "loop":
+        raise ConfigError("the checkpoint to resume from was written by a run of your own loop "
+                          "(task.loop), not by a raytrainer.Task; resume it with that loop")
+    if saved["global_batch_size"] != cfg.global_batch_size:
+        raise ConfigError(
+            f"the checkpoint was trained with trainer.global_batch_size="
+            f"{saved['global_batch_size']}, this run has {cfg.global_batch_size}; "
+            "resuming needs the same global batch (the steps, the schedule and the LR were set for it)"
+        )
+
+
+def bind_snapshots(snapshots: PeerSnapshots | None, strategy: Strategy, train: TrainState, *,
+                   rank: int, world_size: int) -> PeerSnapshots | None:
+    """The peer snapshots this loop takes (None: none, or the state is replicated), bound to
+    its group once the host memory they need is known to be there."""
+    snapshots = None if strategy.replicated else snapshots
+    if snapshots is not None:
+        check_memory(estimate_bytes(train.module, train.optimizer, train.ema), ranks_on_this_machine(),
+                     "failure.snapshot_every_n_steps")
+        snapshots.bind(rank, world_size)
+    return snapshots
+
+
+def checkpoint_saver(loop: Loop, checkpoints: Checkpoints | None, cfg: CheckpointConfig) -> CheckpointSaver:
+    """The loop's saver. A commit goes to the driver's log, the async validation (which ranks
+    it for keep_best once its metrics arrive) and the callbacks; a failed save to the log."""
+
+    def committed(ckpt: Committed, path: str) -> None:
+        loop.notify({"event": "checkpoint_committed", "step": ckpt.step, "path": path,
+                     "bytes": sum(f["size"] for f in ckpt.manifest["files"].values()),
+                     # how long the save held the training thread (async: the copy of the state)
+                     "blocked_s": round(loop.saver.blocked_s.pop(ckpt.step, 0.0), 4)})
+        if loop.validation is not None:
+            loop.validation.committed(ckpt)
+        loop.callbacks("on_checkpoint", loop, path)
+
+    def failed(step: int, path: str, cause: str) -> None:
+        loop.notify({"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
+                     "kept_step": loop.saver.committed_step if loop.saver.committed_step >= 0 else None})
+
+    return CheckpointSaver(checkpoints, cfg, committed, replicated=loop.strategy.replicated, rank=loop.rank,
+                           on_failure=failed)
+
+
+def leave(loop: Loop) -> dict[str, torch.Tensor] | None:
+    """What a fit that stopped leaves behind. Paused for a resize (regroup(), then fit()
+    again): nothing where the state is replicated (a survivor gives it), else what the next
+    group re-shards; None. At the end of the run: the final checkpoint, and the final weights
+    (EMA weights when on), on CPU, on rank 0."""
+    if loop.paused:
+        if loop.snapshots is not None and loop.snapshots.every:  # re-sharded from memory (reshard.py)
+            loop.snapshots.keep(loop.step, loop.state_dict())
+            loop.saver.finish()  # an asynchronous save in flight runs on this group
+        elif not loop.strategy.replicated:  # sharded state leaves through a checkpoint (resharded on load)
+            loop.save_checkpoint()
+            loop.saver.finish()
+        return None
+    loop.close_inputs()
+    if not loop.cfg.fast_dev_run:
+        # The end of the run (a no-op if this step is saved): tried again if it fails, and
+        # the run fails (StorageError) only if it cannot be made.
+        loop.saver.save(loop.step, loop.state_dict, loop.latest_metrics, final=True)
+        loop.saver.finish()
+    loop.stop_reason = loop.stop_reason or ("fast_dev_run" if loop.cfg.fast_dev_run else "completed")
+    loop.callbacks("on_run_end", loop)
+    with loop.train.averaged() as final:
+        return loop.strategy.full_weights(final)
