@@ -300,8 +300,19 @@ def test_fsdp_bench_against_raw_fsdp2_and_its_recovery_from_peers(tmp_path, tagg
     # to the snapshot of step 10 (every 10, the default), and to the checkpoint of step 10.
     assert spec.kill_step - 11 <= peers["peers_steps_replayed"] <= 10
     assert spec.kill_step - 11 <= peers["checkpoint_steps_lost"] <= 10
+    # With no spare: recovery fast went on at one worker, re-sharded from the snapshots, and
+    # took the replacement back in by a grow; recovery exact waited for it, leaving none behind.
+    fast, exact = peers["fast_run"], peers["exact_run"]
+    assert fast["recovered_event"]["dropped"] == [spec.workers - 1] and fast["recovered_event"]["spares"] == []
+    assert (fast["grow_event"]["added"], fast["grow_event"]["new_world_size"]) == (1, spec.workers)
+    assert peers["fast_grow_pause_s"] == fast["grow_event"]["seconds"] > 0
+    assert exact["recovered_event"]["dropped"] == exact["recovered_event"]["spares"] == [] and not exact["grow_event"]
+    for key in ("fast_steps_replayed", "exact_steps_replayed"):
+        assert spec.kill_step - 11 <= peers[key] <= 10, key
     figures = {f["key"]: f for f in report["figures"]}
-    assert all(figures[k]["status"] == "measured" for k in ("peers_kill_to_first_step_s", "snapshot_overhead"))
+    assert all(figures[k]["status"] == "measured" for k in (
+        "peers_kill_to_first_step_s", "snapshot_overhead", "fast_kill_to_first_step_s", "fast_grow_pause_s",
+        "exact_kill_to_first_step_s"))
     # Not compared with raw's loss: raytrainer seeds its model's init its own way (its DDP
     # run's loss differs from raw DDP's too; its fsdp run's equals its DDP run's, checked once).
     steps = {f["key"]: f for f in report["figures"]}["steps_per_s"]

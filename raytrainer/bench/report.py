@@ -10,6 +10,7 @@ from typing import Any, Callable
 from .faults import (DOUBLE_KILL_GAP_S, FAULT_KINDS, FAULT_TITLES, FAULTS_COLLECTIVE_TIMEOUT_S, NODE_PACE_S,
                      RANDOM_DELAY_S, RECOVERY_GOAL_S)
 from .cpu import OUTSIDE, ROLES, per_1000_steps, spread, window_rates
+from .kill import GROW_PACE_S
 from .spec import CONTENDERS, LABELS, BenchSpec, rate
 
 
@@ -132,6 +133,17 @@ def _goal(value: float | None, goal: float) -> bool:
     return value is not None and value <= goal
 
 
+def _peers_kill(run: str, title: str, target_s: float, prefix: str = "fsdp: ") -> tuple[Figure, Figure]:
+    """A peers-scenario kill run's two rows: kill to first step (target: <= target_s) and the
+    steps replayed (target: <= the snapshot interval)."""
+    return (Figure(f"{run}_kill_to_first_step_s", title, "s", "lower", ("raytrainer",),
+                   lambda r: r.get(f"{run}_kill_to_first_step_s"), target=f"<= {target_s:g} s",
+                   target_check=lambda m, r: m["raytrainer"] <= target_s, scenario="peers"),
+            Figure(f"{run}_steps_replayed", f"{prefix}steps replayed after it", "steps", "lower", ("raytrainer",),
+                   lambda r: r.get(f"{run}_steps_replayed"), target="<= snapshot_every_n_steps",
+                   met_in_run=lambda r: r[f"{run}_steps_replayed"] <= r["snapshot_every_n_steps"], scenario="peers"))
+
+
 FAULT_FIGURES = (
     Figure("recovery_p50_s", "faults at random moments: fault (a freeze: its detection) to first step after, p50",
            "s", "lower", ("raytrainer",), _faults("recovery_p50_s"), scenario="faults"),
@@ -209,12 +221,15 @@ FIGURES = (
     Figure("checkpoint_held_async_s", "training thread held per checkpoint, async (the copy)", "s", "lower",
            ("raytrainer",), lambda run: run.get("checkpoint_held_async_s"), scenario="stall"),
     *FAULT_FIGURES,
-    Figure("peers_kill_to_first_step_s", "fsdp: worker SIGKILL to first step after, from peer snapshots", "s",
-           "lower", ("raytrainer",), lambda run: run.get("peers_kill_to_first_step_s"), target="<= 5 s",
-           target_check=lambda m, r: m["raytrainer"] <= 5, scenario="peers"),
-    Figure("peers_steps_replayed", "fsdp: steps replayed after it", "steps", "lower", ("raytrainer",),
-           lambda run: run.get("peers_steps_replayed"), target="<= snapshot_every_n_steps",
-           met_in_run=lambda run: run["peers_steps_replayed"] <= run["snapshot_every_n_steps"], scenario="peers"),
+    *_peers_kill("peers", "fsdp: worker SIGKILL to first step after, from peer snapshots", 5),
+    *_peers_kill("fast", "fsdp, no spare: SIGKILL to first step, the survivors re-sharded", 1, "fsdp, no spare: "),
+    Figure("fast_grow_pause_s", "fsdp, no spare: pause to take the replacement back in", "s", "lower",
+           ("raytrainer",), lambda run: run.get("fast_grow_pause_s"), target="<= 1 s",
+           target_check=lambda m, r: m["raytrainer"] <= 1, scenario="peers"),
+    Figure("exact_kill_to_first_step_s", "fsdp, recovery exact: SIGKILL to first step, the replacement waited for",
+           "s", "lower", ("raytrainer",), lambda run: run.get("exact_kill_to_first_step_s"), scenario="peers"),
+    Figure("exact_steps_replayed", "fsdp, recovery exact: steps replayed after it", "steps", "lower",
+           ("raytrainer",), lambda run: run.get("exact_steps_replayed"), scenario="peers"),
     Figure("checkpoint_kill_to_first_step_s", "fsdp: the same, from the newest checkpoint (snapshots off)", "s",
            "lower", ("raytrainer",), lambda run: run.get("checkpoint_kill_to_first_step_s"), scenario="peers"),
     Figure("checkpoint_steps_lost", "fsdp: steps lost to it from the checkpoint", "steps", "lower",
@@ -406,8 +421,12 @@ def notes(spec: BenchSpec) -> list[str]:
         out.append(
             f"Peers runs (fsdp, one local Ray): the kill scenario's run ({spec.kill_steps} steps, the last rank "
             f"SIGKILLed from outside as it starts step {spec.kill_step}, a checkpoint every "
-            f"{spec.kill_checkpoint_every} steps, the warm spare), once with peer snapshots at the default "
-            "failure.snapshot_every_n_steps and once with them off (recovery from the newest checkpoint); then "
+            f"{spec.kill_checkpoint_every} steps, the warm spare), with peer snapshots at the default "
+            "failure.snapshot_every_n_steps; then with no warm spare, failure.recovery fast (the survivor goes "
+            "on alone, re-sharded from the snapshots; its steps paced at "
+            f"{GROW_PACE_S:g} s from the kill until the replacement is taken back in, whose pause the grow row "
+            "gives) and exact (the replacement waited for); then with snapshots off (recovery from the newest "
+            "checkpoint); then "
             f"the train run ({spec.steps} steps) with snapshots and without, one after the other: the overhead is "
             "1 - the first's steps/s over the second's. Steps replayed: the snapshot step to the furthest step "
             "finished before the kill.")

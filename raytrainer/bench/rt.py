@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .job import TASK_TARGET, threads_at
-from .kill import Killer, kill_figures
+from .kill import GROW_PACE_S, Killer, kill_figures
 from .spec import BenchError, rate
 
 
@@ -93,17 +93,20 @@ def input_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
 
 def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | None = None,
-                    async_save: bool = True) -> dict[str, Any]:
+                    async_save: bool = True, until_grown: bool = False) -> dict[str, Any]:
     """raytrainer with the last worker SIGKILLed at spec["kill_step"]; its default
     failure settings (warm spare) but `failure`, and a checkpoint every kill_checkpoint_every
-    steps, written in the background unless not `async_save`."""
+    steps, written in the background unless not `async_save`. `until_grown`: the steps after
+    the kill are paced (GROW_PACE_S) until the replacement joins, and the grow is reported."""
     from ..driver.api import train
 
-    marker = work / "kill-marker.json"
-    cfg = config(spec, work, "bench-kill", spec["kill_steps"], task_args={"kill_marker": str(marker)},
+    marker, pace = work / "kill-marker.json", work / "kill-pace"
+    cfg = config(spec, work, "bench-kill", spec["kill_steps"],
+                 task_args={"kill_marker": str(marker),
+                            **({"pace_while": str(pace), "pace_s": GROW_PACE_S} if until_grown else {})},
                  checkpoint={"every_n_steps": spec["kill_checkpoint_every"], "async": async_save},
                  failure={"max_failures": 1, **(failure or {})})
-    killer = Killer(marker)
+    killer = Killer(marker, pace, work / "bench-kill") if until_grown else Killer(marker)
     killer.start()
     try:
         result = train(cfg, progress=False)
@@ -120,15 +123,19 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     handled, rec = failed[0]["time"], recovered[0]
     out = kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
+    grown = [e for e in result.events if e["event"] == "resized" and e["added"]]
     out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0],
-               contender_settings=settings(cfg))
+               grow_event=grown[0] if grown else None, contender_settings=settings(cfg))
     return out
 
 
 def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     """FSDP, on one local Ray: the kill run recovering from peer snapshots (at the default
-    failure.snapshot_every_n_steps), the same recovering from the newest checkpoint
-    (snapshots off), then the train run with snapshots and without, for their cost."""
+    failure.snapshot_every_n_steps, the warm spare taking the lost rank), the same with no
+    spare (failure.recovery fast: the survivors go on re-sharded, the replacement is taken
+    back in by a grow) and waiting for the replacement (recovery exact), the same recovering
+    from the newest checkpoint (snapshots off), then the train run with snapshots and
+    without, for their cost."""
     import ray
 
     from ..driver.api import init_ray
@@ -137,6 +144,8 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     init_ray()  # as raytrainer.train would
     try:
         peers = kill_raytrainer(spec, work / "peers")
+        fast = kill_raytrainer(spec, work / "fast", failure={"warm_spares": 0}, until_grown=True)
+        exact = kill_raytrainer(spec, work / "exact", failure={"warm_spares": 0, "recovery": "exact"})
         # Synchronous saves: the recovery must find the checkpoint before the kill committed. An
         # async one may commit only after it (seen beside another test session, load 13: the
         # save of step 10 was not committed at the kill at step 15, and the run restarted at 0).
@@ -146,19 +155,25 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         off = run_raytrainer(spec, work / "no-snapshots", failure={"snapshot_every_n_steps": 0})
     finally:
         ray.shutdown()
-    for run, source in ((peers, "peers"), (checkpoint, "checkpoint")):
+    for run, source in ((peers, "peers"), (fast, "peers"), (exact, "peers"), (checkpoint, "checkpoint")):
         if run["recovered_event"].get("state_from") != source:
             raise BenchError(f"expected a recovery from {source}; it was: {run['recovered_event']}")
+    if fast["grow_event"] is None:
+        raise BenchError(f"the run with no spare did not grow back to {spec['workers']} workers: "
+                         f"{fast['recovered_event']}")
     with_, without = rate(on["step_times"], spec["warmup_fraction"]), rate(off["step_times"], spec["warmup_fraction"])
     return {"step_times": peers["step_times"], "phases": peers["phases"],
-            "worker_pids": sorted({p for run in (peers, checkpoint, on, off) for p in run["worker_pids"]}),
+            "worker_pids": sorted({p for run in (peers, fast, exact, checkpoint, on, off) for p in run["worker_pids"]}),
             "snapshot_every_n_steps": FailureConfig().snapshot_every_n_steps,
             "peers_kill_to_first_step_s": peers["kill_to_first_step_s"], "peers_steps_replayed": peers["steps_lost"],
+            "fast_kill_to_first_step_s": fast["kill_to_first_step_s"], "fast_steps_replayed": fast["steps_lost"],
+            "fast_grow_pause_s": fast["grow_event"]["seconds"],
+            "exact_kill_to_first_step_s": exact["kill_to_first_step_s"], "exact_steps_replayed": exact["steps_lost"],
             "checkpoint_kill_to_first_step_s": checkpoint["kill_to_first_step_s"],
             "checkpoint_steps_lost": checkpoint["steps_lost"],
             "snapshot_steps_per_s": with_, "no_snapshot_steps_per_s": without,
             "snapshot_overhead": 1 - with_ / without,
-            "peers_run": peers, "checkpoint_run": checkpoint}
+            "peers_run": peers, "fast_run": fast, "exact_run": exact, "checkpoint_run": checkpoint}
 
 
 def local_cluster(temp_dir: str | None = None) -> Any:

@@ -181,7 +181,8 @@ def _intro(spec: BenchSpec, scenario: str, name: str) -> str:
         "faults": f"{label}, {spec.faults_workers} workers, an undisturbed run, then one with "
                   f"{spec.faults_count} faults at random moments; then a node lost from an elastic run",
         "peers": f"{label}, fsdp, worker SIGKILL at step {spec.kill_step} of {spec.kill_steps}, recovered from "
-                 "peer snapshots, then from a checkpoint; steps/s with snapshots and without",
+                 "peer snapshots (a spare, none fast, none exact), then from a checkpoint; steps/s with snapshots "
+                 "and without",
     }[scenario]
 
 
@@ -204,7 +205,11 @@ def _outcome(scenario: str, run: dict[str, Any]) -> list[str]:
         return [f"recovered from peers in {run['peers_kill_to_first_step_s']:.2f} s ({run['peers_steps_replayed']} "
                 f"steps replayed), from a checkpoint in {run['checkpoint_kill_to_first_step_s']:.2f} s "
                 f"({run['checkpoint_steps_lost']} lost); snapshots cost {100 * run['snapshot_overhead']:.1f}% "
-                "of steps/s"]
+                "of steps/s",
+                f"no spare: went on re-sharded in {run['fast_kill_to_first_step_s']:.2f} s "
+                f"({run['fast_steps_replayed']} steps replayed), the grow back paused "
+                f"{run['fast_grow_pause_s']:.2f} s; recovery exact: {run['exact_kill_to_first_step_s']:.2f} s "
+                f"({run['exact_steps_replayed']} steps replayed)"]
     if scenario == "input":
         extra = (f" ({run['no_loaders_steps_per_s']:.1f} with data.num_workers 0)"
                  if "no_loaders_steps_per_s" in run else "")
