@@ -132,7 +132,7 @@ def world_size(events):
 
 
 def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
-    run = Run(config(tmp_path, "double"))
+    run = Run(config(tmp_path, "double", sleep_s=0.1))  # 0.1 s steps: see the frozen worker's test
     run.wait_for_step(5)
     pids = run.pids()
     kill(pids[1])
@@ -153,7 +153,10 @@ def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
 
 @pytest.mark.hangs
 def test_a_frozen_worker_is_the_only_one_replaced(undisturbed, tmp_path):
-    run = Run(config(tmp_path, "frozen"))
+    # Steps of 0.1 s (the weights are the same): the driver writes step 5 a poll or more
+    # after the workers finish it, and with 0.01 s steps a slow day's lag once let all 30
+    # end before the freeze (the run finished with no failure at all).
+    run = Run(config(tmp_path, "frozen", sleep_s=0.1))
     run.wait_for_step(5)
     frozen = run.pids()[1]
     freeze(frozen)
