@@ -1,6 +1,6 @@
 """One training process: builds the task itself, joins the process group, runs the loop.
 
-A plain class; driver/group.py makes it a Ray actor with two concurrency groups: the default
+A plain class; driver/group/actors.py makes it a Ray actor with two concurrency groups: the default
 one (one thread: setup, run, regroup, get_state, one at a time) and "control" (status,
 drain, stacks, pause, abort), which answers the driver while `run` trains or is
 blocked in a collective.
@@ -10,6 +10,9 @@ its model and its optimizer stay, at the last step this worker completed, ready
 for the driver to re-form the group (`regroup`) and copy state (`get_state`).
 Asked to make room for more workers (`request_pause`), `run` returns "paused" at a
 step boundary that every rank agrees on, ready for the same.
+
+What a group's forming shares between setup and regroup is in forming.py, what setup builds
+on it in building.py, and what the control calls answer in control.py.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ import threading
 import traceback
 from typing import Any
 
-from ..callbacks import Callbacks
 from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
 from ..contract import Holdings, Node, RunEnd, Reshard, Snapshot, Status
-from ..errors import ConfigError, PeerFailure, RaytrainerError, WorkerError
+from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
-from .busy import busy_seconds
+from . import building, control
+from .forming import Forming, load, resolve
 
 # torch is imported inside the methods: the driver imports this module to create
 # the actors and should not pay for importing torch before its first step.
@@ -61,13 +64,8 @@ class Worker:
         self._copy: Any = None  # a copy of the state in shared memory, while this worker is its only holder
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
-        # The thread that forms the group and trains (ids: the kernel's, Python's), for the
-        # driver's clock of this worker's progress (status().busy_s).
-        self._working: tuple[int, int] | None = None
-        self._forming: str | None = None  # while setup or regroup runs (Status.forming)
-        self._rows: list[dict[str, Any]] = []
-        self._events: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+        self._forming = Forming()
+        self._outbox = control.Outbox()
 
     @property
     def snapshots(self):
@@ -121,21 +119,17 @@ class Worker:
         snapshots of another world size to re-shard from (reshard.py). A worker that
         trained in an earlier group starts over in this one. Returns (total steps, steps
         per epoch, whether the state is replicated)."""
-        self._note_working()
+        self._forming.note_working()
         self._imports.wait()
-        from .dist import choose_backend, choose_device, init_group
-        from .loop import Loop, LoopSettings, Outlets
+        from .dist import choose_backend, choose_device
 
         self.rank = rank
         cfg = self.config
         if self.loop is not None:  # its process group is gone; its loader processes go too
             self.loop.close_inputs()
             self.loop = None
-        with _as_worker_error(self), self._forming_group():
-            if isinstance(resume, Snapshot) and resume.data is None:
-                resume = self.snapshots.own_snapshot(resume.step)
-            elif isinstance(resume, Reshard):
-                resume = Reshard(resume.step, tuple(self._snapshot_part(part) for part in resume.parts))
+        with _as_worker_error(self), self._forming.marked():
+            resume = resolve(resume, self)
             if not use_gpu:  # as Ray sets OMP_NUM_THREADS: a spare taking over was made with none
                 import torch
 
@@ -143,33 +137,10 @@ class Worker:
             device = choose_device(use_gpu)
             self._backend = choose_backend(cfg.scaling.backend, use_gpu)
             task = build_task(cfg.task, cfg.task.payload)
-            self._forming = "joining"
-            init_group(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
-            self._forming = "joined"
-            callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
-            outlets = Outlets(report=self._push, notify=self._notify, callbacks=callbacks,
-                              checkpoints=self._checkpoints(), chaos_claim=self._chaos_claim,
-                              snapshots=self.snapshots)
-            state = _load(resume)
-            if cfg.task.is_loop:
-                self.loop = self._user_loop(task, outlets, rank, world_size, device, state)
-            else:
-                self.loop = Loop(task, LoopSettings.of(cfg), outlets, rank=rank, world_size=world_size,
-                                 device=device, state=state)
+            self._forming.join(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
+            outlets = building.outlets(self)
+            self.loop = building.build_loop(self, task, outlets, rank, world_size, device, load(resume))
             return self.loop.total_steps, self.loop.steps_per_epoch, self.loop.replicated
-
-    def _user_loop(self, fn, outlets, rank, world_size, device, state):
-        """Your own loop (task.loop): fn(ctx) in the group just formed (see userloop.py)."""
-        from .userloop import UserLoop
-
-        if outlets.callbacks.callbacks:
-            names = ", ".join(type(c).__name__ for c in outlets.callbacks.callbacks)
-            raise ConfigError(f"callbacks: {names} run on the workers, inside a Task's loop; your own loop "
-                              "(task.loop) has no such hooks: call them from your loop, or give the class "
-                              "on_driver = True to run it on the driver")
-        return UserLoop(fn, self.config, rank=rank, world_size=world_size, device=device, report=outlets.report,
-                        notify=outlets.notify, checkpoints=outlets.checkpoints, state=state,
-                        node=self.node().node_id, snapshots=outlets.snapshots)
 
     def run(self) -> RunEnd:
         """Train to the end ("finished"; rank 0 writes the final weights to model.pt and
@@ -180,7 +151,7 @@ class Worker:
         from .dist import leave_group
 
         self._run_thread = threading.get_ident()
-        self._note_working()
+        self._forming.note_working()
         try:
             weights = self.loop.fit()
         except Exception as exc:
@@ -207,14 +178,7 @@ class Worker:
         """Progress for the driver's hang check. The phase is "collective" where the loop
         waits for its peers, or where the training thread is anywhere inside
         torch.distributed (a collective in DDP's forward, or in the task's own code)."""
-        loop = self.loop
-        busy = busy_seconds(*self._working) if self._working else None
-        if loop is None:
-            return Status(0, 0, "setup", forming=self._forming, busy_s=busy)
-        phase = loop.phase
-        if phase != "collective" and _in_collective(sys._current_frames().get(self._run_thread)):
-            phase = "collective"
-        return Status(loop.step, loop.progress, phase, loop._after_pending, forming=self._forming, busy_s=busy)
+        return control.status(self)
 
     def request_pause(self) -> None:
         """Pause `run` at the next step boundary all ranks agree on."""
@@ -223,11 +187,7 @@ class Worker:
 
     def dump_stacks(self) -> str:
         """Every thread's Python stack, for a worker about to be killed as hung."""
-        names = {t.ident: t.name for t in threading.enumerate()}
-        parts = []
-        for ident, frame in sys._current_frames().items():
-            parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
-        return "\n".join(parts)
+        return control.stacks()
 
     def flight_record(self) -> bytes | None:
         """torch's flight recorder of this process's collectives (JSON), if it kept one."""
@@ -246,13 +206,7 @@ class Worker:
     def kill_process(self, pid: int) -> None:
         """SIGKILL a process on this node: a frozen peer, which Ray itself kills only after
         a grace period (see driver.group.RayWorkerGroup.kill)."""
-        import os
-        import signal
-
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        control.kill(pid)
 
     # ------------------------------------------------------------------ recovery (while run() is not running)
 
@@ -308,30 +262,17 @@ class Worker:
         own = self.snapshots.own_snapshot(step)
         return own.step, own
 
-    def _snapshot_part(self, part: Any) -> Snapshot:
-        """One rank's snapshot to re-shard from: this worker's own (no data), else fetched
-        from the object store (a nested reference Ray does not resolve by itself)."""
-        if isinstance(part, Snapshot) and part.data is None:
-            return self.snapshots.own_snapshot(part.step)
-        import ray
-
-        return ray.get(part)
-
     def regroup(self, rank: int, world_size: int, addr: str, port: int,
                 state: bytes | None = None) -> int:
         """Join a re-formed process group as `rank`, first taking `state` if given;
         return the step it will continue after."""
-        from .dist import init_group
-
-        self._note_working()
-        with _as_worker_error(self), self._forming_group():
+        self._forming.note_working()
+        with _as_worker_error(self), self._forming.marked():
             if state is not None:  # first: should the group fail to form, this state is kept
-                self.loop.load_state_dict(_load(state))
+                self.loop.load_state_dict(load(state))
             if self._copy is not None:  # a second holder is back (the driver says so again later)
                 self.loop.keeper = None
-            self._forming = "joining"
-            init_group(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
-            self._forming = "joined"
+            self._forming.join(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
             self.rank = rank
             self.loop.regroup(rank, world_size)
             return self.loop.step
@@ -362,20 +303,6 @@ class Worker:
                      storage.path(f"{run.name}/model.pt"), kept)
         return storage.uri_of(f"{run.name}/model.pt")
 
-    def _note_working(self) -> None:
-        """This call's thread forms the group or trains: status() reads its clock."""
-        self._working = (threading.get_native_id(), threading.get_ident())
-
-    @contextlib.contextmanager
-    def _forming_group(self):
-        """Mark a setup or regroup call for status(): the driver blames a worker that does
-        not reach the group's rendezvous while its peers wait there."""
-        self._forming = "preparing"
-        try:
-            yield
-        finally:
-            self._forming = None
-
     def _chaos_claim(self, fault: int, step: int) -> bool:
         """Once per run across processes: the first claim of (fault, step) in Ray's KV store."""
         from . import _internals
@@ -383,27 +310,13 @@ class Worker:
         run = self.config.run
         return _internals.kv_put_if_absent(f"raytrainer-chaos/{run.storage}/{run.name}/{fault}/{step}", b"1")
 
-    def _checkpoints(self):
-        from ..checkpoint import Checkpoints, Storage
-
-        cfg = self.config
-        return Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint)
-
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Metric rows and lifecycle events since the last drain (rank 0 holds the
         reduced rows and writes the checkpoints)."""
-        with self._lock:
-            rows, self._rows = self._rows, []
-            events, self._events = self._events, []
-        return rows, events
-
-    def _push(self, rows: list[dict[str, Any]]) -> None:
-        with self._lock:
-            self._rows.extend(rows)
+        return self._outbox.drain()
 
     def _notify(self, event: dict[str, Any]) -> None:
-        with self._lock:  # also called from the checkpoint writer thread
-            self._events.append({**event, "rank": self.rank})
+        self._outbox.notify({**event, "rank": self.rank})
 
 
 class _Imports:
@@ -478,34 +391,9 @@ def _peer_failure(exc: Exception) -> bool:
     return isinstance(exc, dist.DistError) or _internals.is_gloo_transport_error(exc)
 
 
-def _in_collective(frame: Any) -> bool:
-    """Whether a thread's stack (its innermost frame) is inside torch.distributed or
-    DDP's own communication."""
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/distributed/" in path or path.endswith("/torch/nn/parallel/distributed.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _dump(obj: Any) -> bytes:
     import torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-def _load(data: Any) -> Any:
-    """A state handed over: packed (transfer.py) or torch.save'd bytes (a checkpoint's);
-    anything else as it is (a sharded checkpoint's URI, a peer snapshot)."""
-    import torch
-
-    from .transfer import Packed, unpack
-
-    if isinstance(data, Packed):
-        return unpack(data)
-    if isinstance(data, bytes):
-        return torch.load(io.BytesIO(data), weights_only=True)
-    return data
