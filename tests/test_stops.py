@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from raytrainer.config import CheckpointConfig
 from raytrainer.errors import NonFiniteLoss
 
 from .conftest import assert_no_leaks
+from .waits import join, wait_until
 
 
 def config(tmp_path, name, **trainer):
@@ -124,6 +126,7 @@ class SlowTask(Task):
         time.sleep(self.sleep_s)
         held = time.monotonic()
         while self.hold and os.path.exists(self.hold) and time.monotonic() - held < 60:
+            open(f"{self.hold}.{os.getpid()}", "w").close()  # this rank is held
             time.sleep(self.sleep_s)
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
 '''
@@ -207,11 +210,23 @@ def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_pa
     proc = start_cli(tmp_path, "abort")
     wait_for_step(run_dir, 5, proc)
     (tmp_path / "hold").touch()  # the step in flight waits: the stop is still on its way to a boundary
-    time.sleep(1.5)
+    wait_until(lambda: len(list(tmp_path.glob("hold.*"))) == 2, "both ranks held inside a step")
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    # Again once the first is handled, as a user presses it after the message: two signals
+    # before the driver's handler runs are one (a loaded machine delays the handler).
+    wait_until(lambda: any("press Ctrl-C again" in line for line in lines), "the first SIGINT's message")
     proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=300)[0]
+    proc.wait(timeout=300)
+    join(reader, 60)
+    out = "".join(lines)
     assert proc.returncode == 130, out
     assert "interrupted" in out
     events = log(run_dir)
@@ -221,8 +236,6 @@ def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_pa
 
 
 def test_ctrl_c_in_python_stops_your_own_loop_at_a_report_with_its_state_committed(ray_local, tmp_path):
-    import threading
-
     from raytrainer.errors import Stopped
 
     from .tasks import regression_loop
