@@ -107,7 +107,6 @@ def kill_figures(killed: dict[str, Any], before: list[tuple[int, float]], after:
             "steps_lost": max(0, reached - resumed_from)}
 
 
-
 def _events(run_dir: Path, name: str, keep: Callable[[dict[str, Any]], Any] = bool) -> list[dict[str, Any]]:
     """The run's events called `name` that `keep` keeps."""
     with contextlib.suppress(FileNotFoundError):
