@@ -90,8 +90,7 @@ def checkpoint_saver(loop: Loop, checkpoints: Checkpoints | None, cfg: Checkpoin
         loop.callbacks("on_checkpoint", loop, path)
 
     def failed(step: int, path: str, cause: str) -> None:
-        loop.notify({"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
-                     "kept_step": loop.saver.committed_step if loop.saver.committed_step >= 0 else None})
+        loop.notify(loop.saver.failed_event(step, path, cause))
 
     return CheckpointSaver(checkpoints, cfg, committed, replicated=loop.strategy.replicated, rank=loop.rank,
                            on_failure=failed)

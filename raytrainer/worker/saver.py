@@ -225,6 +225,12 @@ class CheckpointSaver:
 
     _last_cause = ""
 
+    def failed_event(self, step: int, path: str, cause: str) -> dict[str, Any]:
+        """The `checkpoint_failed` event for the driver's log: a save that failed (on_failure's
+        arguments), and the newest step this saver committed, which stays."""
+        return {"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
+                "kept_step": self.committed_step if self.committed_step >= 0 else None}
+
 
 def _peer_failure(exc: BaseException) -> bool:
     import torch.distributed as dist

@@ -314,8 +314,7 @@ class UserLoop:
         self._committed(checkpoints.write_dir(self._reported, state, directory, metrics or {}))
 
     def _save_failed(self, step: int, path: str, cause: str) -> None:
-        self.notify({"event": "checkpoint_failed", "step": step, "path": path, "cause": cause,
-                     "kept_step": self.saver.committed_step if self.saver.committed_step >= 0 else None})
+        self.notify(self.saver.failed_event(step, path, cause))
 
     def _committed(self, ckpt: Committed, path: str | None = None) -> None:
         checkpoints = self.saver.checkpoints
