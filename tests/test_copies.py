@@ -12,6 +12,7 @@ import torch
 
 import raytrainer
 from raytrainer.worker import copies
+from raytrainer.worker.strategy import load_optimizer
 from raytrainer.worker.transfer import Packed, pack, unpack
 
 from .conftest import assert_no_leaks
@@ -64,16 +65,21 @@ def test_a_state_of_a_few_mb_crosses_the_object_store_packed_and_loads_into_a_ne
     def take(packed):  # another process: unpack, load, step on
         fresh = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
         opt = torch.optim.Adam(fresh.parameters())
-        loaded = unpack(packed)
-        as_loaded = copy.deepcopy(loaded)  # the optimizer adopts some of its tensors (step)
+        loaded = unpack(packed, views=("model", "optimizer"))  # views, copied by the loads
+        mapped = {b.ctypes.data for b in packed.buffers}
+        views = [t.data_ptr() in mapped for t in loaded["model"].values()]
+        views += [t.data_ptr() in mapped for s in loaded["optimizer"]["state"].values() for t in s.values()]
+        copies = [t.data_ptr() in mapped for t in (loaded["ema"], loaded["loop"]["scale"])]
+        as_loaded = copy.deepcopy(loaded)
         fresh.load_state_dict(loaded["model"])
-        opt.load_state_dict(loaded["optimizer"])
+        load_optimizer(opt, loaded["optimizer"])  # clones what the optimizer lacks
         fresh(torch.ones(4, 512)).sum().backward()
         opt.step()  # in place: the object store's memory is read-only, the state must not be it
-        return as_loaded, fresh.state_dict(), isinstance(packed, Packed)
+        return as_loaded, fresh.state_dict(), isinstance(packed, Packed), views, copies
 
-    loaded, stepped, was_packed = ray_local.get(take.remote(ref))
+    loaded, stepped, was_packed, views, copies = ray_local.get(take.remote(ref))
     assert was_packed
+    assert views and all(views) and copies and not any(copies)
     assert_same_state(state, loaded)
     model(torch.ones(4, 512)).sum().backward()
     optimizer.step()

@@ -139,7 +139,8 @@ class Worker:
             task = build_task(cfg.task, cfg.task.payload)
             self._forming.join(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
             outlets = building.outlets(self)
-            self.loop = building.build_loop(self, task, outlets, rank, world_size, device, load(resume))
+            self.loop = building.build_loop(self, task, outlets, rank, world_size, device,
+                                            load(resume, building.copied_on_load(cfg)))
             return self.loop.total_steps, self.loop.steps_per_epoch, self.loop.replicated
 
     def run(self) -> RunEnd:
@@ -269,7 +270,7 @@ class Worker:
         self._forming.note_working()
         with _as_worker_error(self), self._forming.marked():
             if state is not None:  # first: should the group fail to form, this state is kept
-                self.loop.load_state_dict(load(state))
+                self.loop.load_state_dict(load(state, building.copied_on_load(self.config)))
             if self._copy is not None:  # a second holder is back (the driver says so again later)
                 self.loop.keeper = None
             self._forming.join(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)

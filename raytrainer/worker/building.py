@@ -18,6 +18,7 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from ..config import Config
     from .actor import Worker
     from .loop import Outlets
 
@@ -31,6 +32,14 @@ def outlets(worker: Worker) -> Outlets:
     return Outlets(report=worker._outbox.push, notify=worker._notify, callbacks=callbacks,
                    checkpoints=Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint),
                    chaos_claim=worker._chaos_claim, snapshots=worker.snapshots)
+
+
+def copied_on_load(cfg: Config) -> tuple[str, ...]:
+    """The top-level keys of a handed-over state whose tensors the loop's load copies where
+    they go (a Task's weights into the module, its optimizer's state into what the optimizer
+    holds: strategy.load_optimizer), so that they may arrive as views of the object store's
+    memory (forming.load); none for your own loop, whose state is yours."""
+    return () if cfg.task.is_loop or cfg.trainer.strategy != "ddp" else ("model", "optimizer")
 
 
 def build_loop(worker: Worker, task: Any, outlets: Outlets, rank: int, world_size: int, device: torch.device,

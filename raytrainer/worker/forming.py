@@ -78,15 +78,17 @@ def _snapshot_part(part: Any, worker: Worker) -> Snapshot:
     return ray.get(part)
 
 
-def load(data: Any) -> Any:
-    """A state handed over: packed (transfer.py) or torch.save'd bytes (a checkpoint's);
-    anything else as it is (a sharded checkpoint's URI, a peer snapshot)."""
+def load(data: Any, views: tuple[str, ...] = ()) -> Any:
+    """A state handed over: packed (transfer.py; the tensors under the top-level keys in
+    `views` left views of the buffers, for a loader that copies them) or torch.save'd
+    bytes (a checkpoint's); anything else as it is (a sharded checkpoint's URI, a peer
+    snapshot)."""
     import torch
 
     from .transfer import Packed, unpack
 
     if isinstance(data, Packed):
-        return unpack(data)
+        return unpack(data, views)
     if isinstance(data, bytes):
         return torch.load(io.BytesIO(data), weights_only=True)
     return data

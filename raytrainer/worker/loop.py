@@ -166,7 +166,8 @@ class Loop:
             # A run resumed from a checkpoint decides anew whether to stop (its max_steps
             # may be larger now); a survivor's state keeps its reason (see regroup).
             self.stop_reason = None
-        self.model = self.strategy.wrap(self.module, world_size, device)  # last: the state is final
+        # Last: the state is final. Every rank loads a state, or none (rank 0's weights then).
+        self.model = self.strategy.wrap(self.module, world_size, device, synced=state is not None)
         self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
         self._last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
@@ -377,7 +378,7 @@ class Loop:
         self.saver.rank = rank
         self.plan = self._plan()
         self.train_input.regroup(self.plan, rank, self.step)
-        self.model = self.strategy.wrap(self.module, world_size, self.device)
+        self.model = self.strategy.wrap(self.module, world_size, self.device, synced=True)  # the same state, all
         self.pause_requested = self._pause_agreed = self.paused = False
 
     def close_inputs(self) -> None:
