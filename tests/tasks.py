@@ -30,7 +30,7 @@ class RegressionTask(Task):
 
     def __init__(self, num_samples=256, val_samples=64, lr=None, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
-                 saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None):
+                 saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None, builds_to=None):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
         # SGD at 0.05 diverges on a wide layer (its gradient grows with the width): the wide
@@ -47,9 +47,16 @@ class RegressionTask(Task):
         self.saving_marker = saving_marker
         self.hidden = hidden  # the model's width (its state: ~48 bytes per unit with SGD momentum)
         self.stall_step_file = stall_step_file  # while it names a worker, its steps stall (see _stall)
+        self.builds_to = builds_to  # a file: each build_model appends "<pid> <time>"
         self.steps = 0
 
     def build_model(self):
+        if self.builds_to:
+            import os
+            import time
+
+            with open(self.builds_to, "a") as f:
+                f.write(f"{os.getpid()} {time.time()}\n")
         model = torch.nn.Sequential(torch.nn.Linear(4, self.hidden), torch.nn.Tanh(), torch.nn.Dropout(self.dropout),
                                     torch.nn.Linear(self.hidden, 1))
         if self.saving_marker:

@@ -109,13 +109,14 @@ def test_a_spare_that_does_not_answer_is_not_counted_on_though_its_node_looks_al
 def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_local, tmp_path):
     """No spare while the workers build their task and take their first step (it would
     import torch on their cores); failure.warm_spares of them once training runs; lost
-    workers' places go to them, not to cold starts."""
+    workers' places go to them, not to cold starts, which take over with the model and
+    optimizer they built while they waited (worker/warm.py)."""
     from raytrainer.config import load_config
     from raytrainer.driver.group import RayWorkerGroup
 
     cfg = config(tmp_path, "spare", workers=3, warm_spares=2)
     cfg["trainer"]["max_steps"] = 10**6
-    cfg["task"]["args"]["sleep_s"] = 0.02
+    cfg["task"]["args"].update(sleep_s=0.02, builds_to=str(tmp_path / "builds"))
     group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
     try:
         nodes = group.start()
@@ -130,6 +131,12 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
         # node() is answered once a spare is up (torch imported): processes of their own
         pids = {ray.get(spare.node.remote(), timeout=120).pid for spare in spares}
         assert len(pids) == 2 and not pids & {n.pid for n in nodes}
+        deadline = time.monotonic() + 120
+        while len(builds(tmp_path, pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        built = builds(tmp_path, pids)
+        assert len(built) == 2
+        killed_at = time.time()
         kill(nodes[1].pid)
         kill(nodes[2].pid)
         failed, deadline = [], time.monotonic() + 60
@@ -139,20 +146,29 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
         assert group.spares_ready([1, 2]) == [1, 2]
         reformed = group.reform([1, 2])
         assert reformed.replaced == [1, 2] and set(group.actors[1:]) == set(spares)
+        # Built once each, before the kill: their setup adopted what they built.
+        assert builds(tmp_path, pids) == built and all(t < killed_at for _, t in built)
     finally:
         group.shutdown()
     assert_no_leaks()
 
 
+def builds(tmp_path, pids):
+    """The task's model builds in processes `pids` (RegressionTask's builds_to), in order."""
+    path = tmp_path / "builds"
+    lines = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return [(int(pid), float(t)) for pid, t in lines if int(pid) in pids]
+
+
 SPARE_IMPORTS = """
 import os, sys, threading, time
-from raytrainer.worker.actor import _Imports
+from raytrainer.worker.actor import _WarmUp
 
 def nice(tid):  # field 19 of /proc/.../stat, after the command name
     text = open(f"/proc/self/task/{tid}/stat").read()
     return int(text[text.rindex(")") + 2:].split()[16])
 
-imports = _Imports(background=True)
+imports = _WarmUp(None, background=True)
 assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "optim")
 seen = set()
 while imports._thread.is_alive():

@@ -120,3 +120,42 @@ def test_a_batch_too_big_for_the_data_at_max_workers_fails_at_the_start():
     assert per_worker_loop(max_steps=1, max_world_size=6).plan.global_batch_size == 16
     with pytest.raises(ConfigError, match="100 samples, fewer than one global batch of 112"):
         per_worker_loop(max_steps=1, max_world_size=7)
+
+
+def test_a_training_state_built_ahead_is_the_one_setup_builds_and_a_loaded_state_goes_on_over_it(tmp_path):
+    """A spare, a replacement or a newcomer builds the task's model and optimizer as it
+    starts (worker/warm.py), and its setup adopts them where it loads a survivor's state."""
+    from raytrainer.config import load_config
+    from raytrainer.worker.transfer import pack
+    from raytrainer.worker.warm import adopt, prebuild
+
+    cfg = load_config({"task": {"target": "tests.tasks:RegressionTask"},
+                       "trainer": {"max_steps": 4, "global_batch_size": 32},
+                       "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}})
+    settings, cpu = LoopSettings.of(cfg), torch.device("cpu")
+    ahead = prebuild(cfg)
+    fresh = Loop(ahead.task, settings, rank=0, world_size=1, device=cpu)  # what a setup without it builds
+    assert all(torch.equal(a, b) for a, b in zip(ahead.train.module.parameters(), fresh.module.parameters()))
+
+    trained = Loop(RegressionTask(), settings, rank=0, world_size=1, device=cpu)
+    trained.fit()
+    state = trained.state_dict()
+    assert adopt(ahead, pack(state), cpu) is ahead and adopt(ahead, b"torch.save'd", cpu) is ahead
+    # Nothing to load (a fresh start), a sharded checkpoint's URI, a GPU: built anew.
+    assert adopt(ahead, None, cpu) is adopt(ahead, "file:///ckpt", cpu) is adopt(ahead, state, torch.device("cuda")) is None
+    # Its optimizer holds its state's memory already (SGD's momentum): the load copies into it.
+    held = [s["momentum_buffer"] for s in ahead.train.optimizer.state.values()]
+    assert held and all(b.abs().sum() == 0 for b in held)
+    taken = Loop(ahead.task, settings, rank=0, world_size=1, device=cpu, state=state, prebuilt=ahead)
+    assert taken.module is ahead.train.module and taken.optimizer is ahead.train.optimizer
+    assert taken.step == 4 and all(torch.equal(a, b) for a, b in zip(taken.module.parameters(),
+                                                                      trained.module.parameters()))
+    loaded = [taken.optimizer.state[p]["momentum_buffer"] for p in taken.module.parameters()]
+    assert [b.data_ptr() for b in loaded] == [b.data_ptr() for b in held]
+    assert all(torch.equal(taken.optimizer.state[p]["momentum_buffer"], trained.optimizer.state[q]["momentum_buffer"])
+               for p, q in zip(taken.module.parameters(), trained.module.parameters()))
+    # Built for another largest world size (SyncBatchNorm is decided by it): not taken.
+    other = prebuild(cfg)
+    other.most_world_size = 2
+    assert Loop(other.task, settings, rank=0, world_size=1, device=cpu, state=state,
+                prebuilt=other).module is not other.train.module

@@ -33,6 +33,7 @@ from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 from . import building, control
 from .forming import Forming, load, resolve
+from .warm import adopt
 
 # torch is imported inside the methods: the driver imports this module to create
 # the actors and should not pay for importing torch before its first step.
@@ -40,7 +41,7 @@ from .forming import Forming, load, resolve
 
 class Worker:
     def __init__(self, config: dict[str, Any], payload: bytes | None = None, spare: bool = False,
-                 cwd: str | None = None):
+                 warm: bool = False, cwd: str | None = None):
         # Work where the user ran the run from (`cwd`: the driver's), so that a relative path
         # in the task's code (a dataset file) means what it means in the user's shell; this
         # process otherwise works where its Ray was started (a kept local Ray's keeper, `ray
@@ -51,11 +52,13 @@ class Worker:
         # torch._dynamo, which every optimizer imports as it is built (torch wraps
         # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid
         # here while a warm spare or a newcomer waits idle, not in the pause of a recovery
-        # or a grow. A warm spare imports them on a thread of the lowest priority (see
-        # _Imports): it starts while training runs, on the workers' cores.
-        self._imports = _Imports(background=spare)
+        # or a grow. A worker that will join a running group (`warm`: a replacement, a
+        # newcomer; a spare) also builds the task's model and optimizer (warm.py). A
+        # warm spare does both on a thread of the lowest priority (see _WarmUp): it starts
+        # while training runs, on the workers' cores.
         self.config = load_config(config)
         self.config.task.payload = payload  # a task or loop passed by value: unpickled at each setup
+        self._warm_up = _WarmUp(self.config if warm or spare else None, background=spare)
         self.rank: int | None = None
         self.loop = None
         # Kept across the groups this process trains in: a survivor goes back to its own
@@ -70,7 +73,7 @@ class Worker:
     @property
     def snapshots(self):
         if self._snapshots is None:
-            self._imports.wait()
+            self._warm_up.wait()
             from .snapshot import PeerSnapshots
 
             self._snapshots = PeerSnapshots(self.config.failure.snapshot_every_n_steps)
@@ -83,7 +86,7 @@ class Worker:
 
         import ray
 
-        self._imports.wait()
+        self._warm_up.wait()
         return Node(ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
                     node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
                     gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
@@ -97,7 +100,7 @@ class Worker:
     def rendezvous(self) -> tuple[str, int]:
         """Host the next process group's store; its address. Asked of rank 0 only, before
         any rank is asked to join."""
-        self._imports.wait()
+        self._warm_up.wait()
         from .dist import host_store
 
         ip = self.node().ip
@@ -120,7 +123,7 @@ class Worker:
         trained in an earlier group starts over in this one. Returns (total steps, steps
         per epoch, whether the state is replicated)."""
         self._forming.note_working()
-        self._imports.wait()
+        self._warm_up.wait()
         from .dist import choose_backend, choose_device
 
         self.rank = rank
@@ -136,11 +139,12 @@ class Worker:
                 torch.set_num_threads(max(1, int((cfg.scaling.resources_per_worker or {}).get("CPU", 1))))
             device = choose_device(use_gpu)
             self._backend = choose_backend(cfg.scaling.backend, use_gpu)
-            task = build_task(cfg.task, cfg.task.payload)
+            prebuilt = adopt(self._warm_up.take(), resume, device)  # the model and optimizer, built ahead
+            task = prebuilt.task if prebuilt is not None else build_task(cfg.task, cfg.task.payload)
             self._forming.join(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
             outlets = building.outlets(self)
             self.loop = building.build_loop(self, task, outlets, rank, world_size, device,
-                                            load(resume, building.copied_on_load(cfg)))
+                                            load(resume, building.copied_on_load(cfg)), prebuilt)
             return self.loop.total_steps, self.loop.steps_per_epoch, self.loop.replicated
 
     def run(self) -> RunEnd:
@@ -320,25 +324,29 @@ class Worker:
         self._outbox.notify({**event, "rank": self.rank})
 
 
-class _Imports:
-    """torch, torch._dynamo and the loop's modules, imported in this process: at once, or
-    (a warm spare) on a background thread at nice 19. That thread's CPU then goes to
-    training first: a spare's import (about 2 CPU-s on a 2-core VM, at nice 0) took the
-    cores from the workers' first seconds of training. Calls that need the modules wait
-    for it (`wait`); a recovery taking the spare early finds the cores free to finish it,
-    the survivors waiting. Its nice value is the thread's own (Linux): the process, and
-    every thread that trains later, keeps the worker's."""
+class _WarmUp:
+    """torch, torch._dynamo and the loop's modules imported in this process, and for a
+    worker that will join a running group (`config` given) the task's training state built
+    (warm.py): at once, or (a warm spare) on a background thread at nice 19. That thread's
+    CPU then goes to training first: a spare's import (about 2 CPU-s on a 2-core VM, at
+    nice 0) took the cores from the workers' first seconds of training. Calls that need
+    the modules wait for the imports (`wait`: a spare is ready once they are done), setup
+    for the build too (`take`); a recovery taking the spare early finds the cores free to
+    finish them, the survivors waiting. Its nice value is the thread's own (Linux): the
+    process, and every thread that trains later, keeps the worker's."""
 
-    def __init__(self, background: bool):
+    def __init__(self, config: Any, background: bool):
         self._thread = None
+        self._prebuilt = None
+        self._imported, self._built = threading.Event(), threading.Event()
         if background:
-            self._thread = threading.Thread(target=self._run, args=(19,), name="raytrainer-warm-up", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(config, 19), name="raytrainer-warm-up",
+                                            daemon=True)
             self._thread.start()
         else:
-            self._run(None)
+            self._run(config, None)
 
-    @staticmethod
-    def _run(nice: int | None) -> None:
+    def _run(self, config: Any, nice: int | None) -> None:
         if nice is not None and sys.platform.startswith("linux"):
             import os
 
@@ -350,9 +358,29 @@ class _Imports:
 
         from . import loop, snapshot  # noqa: F401
 
-    def wait(self) -> None:
+        self._imported.set()
+        if config is not None:
+            from .warm import prebuild, touch_object_store
+
+            self._prebuilt = prebuilt = prebuild(config)
+            self._built.set()
+            if prebuilt is not None:  # not waited for: a setup may take the state meanwhile
+                touch_object_store(prebuilt)
+        self._built.set()
+
+    def wait(self, done: threading.Event | None = None) -> None:
+        done = done or self._imported
         if self._thread is not None:
-            self._thread.join()
+            while not done.wait(0.1) and self._thread.is_alive():
+                pass
+            if not self._imported.is_set():  # the imports raised on the thread: raise it here
+                self._run(None, None)
+
+    def take(self) -> Any:
+        """The training state built ahead (warm.Prebuilt), once; None if none was."""
+        self.wait(self._built)
+        prebuilt, self._prebuilt = self._prebuilt, None
+        return prebuilt
 
 
 @contextlib.contextmanager

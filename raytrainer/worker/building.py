@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from .actor import Worker
     from .loop import Outlets
+    from .warm import Prebuilt
 
 
 def outlets(worker: Worker) -> Outlets:
@@ -43,15 +44,16 @@ def copied_on_load(cfg: Config) -> tuple[str, ...]:
 
 
 def build_loop(worker: Worker, task: Any, outlets: Outlets, rank: int, world_size: int, device: torch.device,
-               state: Any):
-    """A Task's Loop, or, for your own loop (task.loop), fn(ctx) in the group just formed
-    (see userloop.py)."""
+               state: Any, prebuilt: Prebuilt | None = None):
+    """A Task's Loop (over the training state `prebuilt` where one was built ahead:
+    warm.py), or, for your own loop (task.loop), fn(ctx) in the group just formed (see
+    userloop.py)."""
     from .loop import Loop, LoopSettings
 
     cfg = worker.config
     if not cfg.task.is_loop:
         return Loop(task, LoopSettings.of(cfg), outlets, rank=rank, world_size=world_size, device=device,
-                    state=state)
+                    state=state, prebuilt=prebuilt)
     from .userloop import UserLoop
 
     if outlets.callbacks.callbacks:

@@ -56,7 +56,6 @@ from .evaluate import validate_here
 from .handover import bind_snapshots, check_resumable, checkpoint_saver, leave, starting_state
 from .sizing import Sizing, build_scheduler
 from .snapshot import PeerSnapshots
-from .state import TrainState
 from .step import accumulate, finite, step_row, update
 from .stopping import EarlyStopping
 from .strategy import build_strategy
@@ -64,6 +63,7 @@ from ..task import Task
 from .validation import AsyncValidation
 from .nonfinite import NonFiniteSteps
 from .outputs import StepOutputs
+from .warm import Prebuilt, train_state
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
@@ -119,7 +119,8 @@ class Loop:
     keeper: Callable[[int, Callable[[], dict[str, Any]]], None] | None = None
 
     def __init__(self, task: Task, settings: LoopSettings, outlets: Outlets | None = None, *, rank: int,
-                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | Reshard | None = None):
+                 world_size: int, device: torch.device, state: dict[str, Any] | str | Snapshot | Reshard | None = None,
+                 prebuilt: Prebuilt | None = None):
         cfg, outlets = settings.trainer, outlets or Outlets()
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -128,7 +129,7 @@ class Loop:
         self.max_steps, self.max_epochs = sizing.max_steps, sizing.max_epochs
         self.base_world_size = sizing.base_world_size  # what lr_scale scales from
         self.strategy = build_strategy(cfg, sizing.most_world_size, task)
-        self.train = TrainState.build(task, cfg, self.strategy, device)
+        self.train = train_state(prebuilt, task, cfg, self.strategy, device, sizing.most_world_size)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.train_data, self.val_data = task.train_dataset(), task.val_dataset()
         self.plan = sizing.check(self.train_data, self.val_data, world_size)

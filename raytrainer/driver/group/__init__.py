@@ -72,7 +72,8 @@ class RayWorkerGroup:
         """Reserve min_workers slots at once (and ask for the rest), start a worker in each
         placed slot; return the workers' nodes."""
         self.roster.slots = self.slots.reserve()
-        self.roster.actors = [start_worker(self.config, self.bundle, slot) for slot in self.roster.slots]
+        self.roster.actors = [start_worker(self.config, self.bundle, slot, joining=False)
+                              for slot in self.roster.slots]
         self.roster.nodes = gather([a.node.remote() for a in self.roster.actors])
         return self.roster.nodes  # the warm spares start once training runs (poll)
 

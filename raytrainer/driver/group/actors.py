@@ -51,14 +51,16 @@ def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
     return {k: float(v) for k, v in bundle.items() if v}
 
 
-def start_worker(config: Config, bundle: dict[str, float], slot: Slot) -> Any:
-    """A worker actor in `slot`, holding its resources."""
+def start_worker(config: Config, bundle: dict[str, float], slot: Slot, joining: bool = True) -> Any:
+    """A worker actor in `slot`, holding its resources. `joining`: it will join a running
+    group (a replacement, a newcomer), taking a survivor's state; it builds the task's
+    training state as it starts (worker/warm.py), not in the pause of the join."""
     extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     pg, index = slot
     return _remote_worker().options(
         num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=extra or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(config.to_dict(), config.task.payload, cwd=config.run.cwd)  # payload: its object-store ref
+    ).remote(config.to_dict(), config.task.payload, warm=joining, cwd=config.run.cwd)  # payload: its object-store ref
 
 
 def start_spare(config: Config, node_id: str) -> Any:
