@@ -88,7 +88,10 @@ def touch_object_store(prebuilt: Prebuilt) -> None:
     node = ray.get_runtime_context().get_node_id()
     store = next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
     if nbytes <= store / 3:
-        ray.put(np.zeros(nbytes, np.uint8))  # its reference dropped: freed; zero pages read, none of ours
+        try:
+            ray.put(np.zeros(nbytes, np.uint8))  # its reference dropped: freed; zero pages read, none of ours
+        except Exception:  # a full store, a node going: only a warm-up
+            log.debug("the object store could not be warmed up", exc_info=True)
 
 
 def _hold_optimizer_state(optimizer: Any) -> None:
