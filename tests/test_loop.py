@@ -146,6 +146,7 @@ def test_a_training_state_built_ahead_is_the_one_setup_builds_and_a_loaded_state
     # Its optimizer holds its state's memory already (SGD's momentum): the load copies into it.
     held = [s["momentum_buffer"] for s in ahead.train.optimizer.state.values()]
     assert held and all(b.abs().sum() == 0 for b in held)
+    assert ahead.nbytes == 2 * sum(p.nbytes for p in ahead.train.module.parameters())
     taken = Loop(ahead.task, settings, rank=0, world_size=1, device=cpu, state=state, prebuilt=ahead)
     assert taken.module is ahead.train.module and taken.optimizer is ahead.train.optimizer
     assert taken.step == 4 and all(torch.equal(a, b) for a, b in zip(taken.module.parameters(),

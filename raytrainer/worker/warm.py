@@ -33,11 +33,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Prebuilt:
     """The task, and the training state built from it at `most_world_size` (whether
-    BatchNorm is converted for a group depends on it)."""
+    BatchNorm is converted for a group depends on it), of `nbytes` (weights and optimizer
+    state)."""
 
     task: Any
     train: TrainState
     most_world_size: int
+    nbytes: int = 0
 
 
 def prebuild(config: Config) -> Prebuilt | None:
@@ -64,7 +66,9 @@ def prebuild(config: Config) -> Prebuilt | None:
         strategy = build_strategy(config.trainer, most, task)
         train = TrainState.build(task, config.trainer, strategy, torch.device("cpu"))
         _hold_optimizer_state(train.optimizer)
-        return Prebuilt(task, train, most)
+        tensors = list(train.module.state_dict().values())
+        tensors += [t for state in train.optimizer.state.values() for t in state.values() if hasattr(t, "nbytes")]
+        return Prebuilt(task, train, most, sum(t.nbytes for t in tensors))
     except Exception:  # setup builds it again, and reports what fails there
         log.debug("the training state could not be built ahead", exc_info=True)
         return None
@@ -79,10 +83,7 @@ def touch_object_store(prebuilt: Prebuilt) -> None:
     import numpy as np
     import ray
 
-    train = prebuilt.train
-    tensors = list(train.module.state_dict().values())
-    tensors += [t for state in train.optimizer.state.values() for t in state.values() if hasattr(t, "nbytes")]
-    nbytes = sum(t.nbytes for t in tensors)
+    nbytes = prebuilt.nbytes  # counted as it was built: a setup may be loading it by now
     if not ray.is_initialized() or nbytes < (64 << 20):
         return
     node = ray.get_runtime_context().get_node_id()
