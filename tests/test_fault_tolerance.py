@@ -168,7 +168,7 @@ def nice(tid):  # field 19 of /proc/.../stat, after the command name
     text = open(f"/proc/self/task/{tid}/stat").read()
     return int(text[text.rindex(")") + 2:].split()[16])
 
-imports = _WarmUp(None, background=True)
+imports = _WarmUp(None, spare=True)
 assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "optim")
 seen = set()
 while imports._thread.is_alive():

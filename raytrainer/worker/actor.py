@@ -58,7 +58,7 @@ class Worker:
         # while training runs, on the workers' cores.
         self.config = load_config(config)
         self.config.task.payload = payload  # a task or loop passed by value: unpickled at each setup
-        self._warm_up = _WarmUp(self.config if warm or spare else None, background=spare)
+        self._warm_up = _WarmUp(self.config if warm or spare else None, spare=spare)
         self.rank: int | None = None
         self.loop = None
         # Kept across the groups this process trains in: a survivor goes back to its own
@@ -90,6 +90,13 @@ class Worker:
         return Node(ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
                     node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
                     gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
+
+    def warm_node(self) -> Node:
+        """node(), answered once this worker has also built its training state ahead and
+        warmed its node's object store (warm.py): a newcomer is taken into the group then,
+        so that the grow's pause holds none of it."""
+        self._warm_up.wait(self._warm_up.warmed)
+        return self.node()
 
     def sees_file(self, path: str) -> bool:
         """Whether this worker's node sees `path` (the shared-storage check at start)."""
@@ -327,60 +334,85 @@ class Worker:
 class _WarmUp:
     """torch, torch._dynamo and the loop's modules imported in this process, and for a
     worker that will join a running group (`config` given) the task's training state built
-    (warm.py): at once, or (a warm spare) on a background thread at nice 19. That thread's
-    CPU then goes to training first: a spare's import (about 2 CPU-s on a 2-core VM, at
-    nice 0) took the cores from the workers' first seconds of training. Calls that need
-    the modules wait for the imports (`wait`: a spare is ready once they are done), setup
-    for the build too (`take`); a recovery taking the spare early finds the cores free to
-    finish them, the survivors waiting. Its nice value is the thread's own (Linux): the
-    process, and every thread that trains later, keeps the worker's."""
+    ahead and its node's object store warmed (warm.py). A worker imports at once; a warm
+    spare imports on a background thread at nice 19, whose CPU goes to training first (a
+    spare's import, about 2 CPU-s on a 2-core VM at nice 0, took the cores from the
+    workers' first seconds of training). The build runs on that thread (a spare's) or on
+    one of its own, never in the constructor: the actor answers its calls meanwhile, and a
+    task that is slow to build is slow in setup, where the driver expects it. Calls that
+    need the modules wait for the imports (`wait`: a spare is ready then), setup for the
+    build (`take`), a newcomer's readiness to join for all of it (`wait(warmed)`). A nice
+    value is the thread's own (Linux): the process, and every thread that trains later,
+    keeps the worker's."""
 
-    def __init__(self, config: Any, background: bool):
+    def __init__(self, config: Any, spare: bool):
         self._thread = None
         self._prebuilt = None
-        self._imported, self._built = threading.Event(), threading.Event()
-        if background:
-            self._thread = threading.Thread(target=self._run, args=(config, 19), name="raytrainer-warm-up",
-                                            daemon=True)
-            self._thread.start()
+        self.imported, self.built, self.warmed = threading.Event(), threading.Event(), threading.Event()
+        if spare:
+            self._start(self._run, config, 19)
+            return
+        self._imports()
+        if config is not None:
+            self._start(self._build, config, None)
         else:
-            self._run(config, None)
+            self.built.set()
+            self.warmed.set()
+
+    def _start(self, target: Any, config: Any, nice: int | None) -> None:
+        self._thread = threading.Thread(target=target, args=(config, nice), name="raytrainer-warm-up", daemon=True)
+        self._thread.start()
 
     def _run(self, config: Any, nice: int | None) -> None:
-        if nice is not None and sys.platform.startswith("linux"):
-            import os
+        _lower_priority(nice)
+        self._imports()
+        self._build(config, None)
 
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    def _imports(self) -> None:
         from . import _internals
 
         _internals.import_dynamo()
 
         from . import loop, snapshot  # noqa: F401
 
-        self._imported.set()
-        if config is not None:
-            from .warm import prebuild, touch_object_store
+        self.imported.set()
 
-            self._prebuilt = prebuilt = prebuild(config)
-            self._built.set()
-            if prebuilt is not None:  # not waited for: a setup may take the state meanwhile
-                touch_object_store(prebuilt)
-        self._built.set()
+    def _build(self, config: Any, nice: int | None) -> None:
+        _lower_priority(nice)
+        try:
+            if config is not None:
+                from .warm import prebuild, touch_object_store
+
+                self._prebuilt = prebuild(config)
+                self.built.set()
+                if self._prebuilt is not None:  # not waited for by setup: it may take the state meanwhile
+                    touch_object_store(self._prebuilt)
+        finally:
+            self.built.set()
+            self.warmed.set()
 
     def wait(self, done: threading.Event | None = None) -> None:
-        done = done or self._imported
+        done = done or self.imported
         if self._thread is not None:
             while not done.wait(0.1) and self._thread.is_alive():
                 pass
-            if not self._imported.is_set():  # the imports raised on the thread: raise it here
-                self._run(None, None)
+            if not self.imported.is_set():  # the imports raised on the thread: raise it here
+                self._imports()
 
     def take(self) -> Any:
         """The training state built ahead (warm.Prebuilt), once; None if none was."""
-        self.wait(self._built)
+        self.wait(self.built)
         prebuilt, self._prebuilt = self._prebuilt, None
         return prebuilt
+
+
+def _lower_priority(nice: int | None) -> None:
+    """This thread's nice value (Linux: a thread's own)."""
+    if nice is not None and sys.platform.startswith("linux"):
+        import os
+
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 @contextlib.contextmanager

@@ -66,7 +66,8 @@ def prebuild(config: Config) -> Prebuilt | None:
         strategy = build_strategy(config.trainer, most, task)
         train = TrainState.build(task, config.trainer, strategy, torch.device("cpu"))
         _hold_optimizer_state(train.optimizer)
-        tensors = list(train.module.state_dict().values())
+        # Not state_dict(): a task's state-dict hooks are for states taken, not counted.
+        tensors = [*train.module.parameters(), *train.module.buffers()]
         tensors += [t for state in train.optimizer.state.values() for t in state.values() if hasattr(t, "nbytes")]
         return Prebuilt(task, train, most, sum(t.nbytes for t in tensors))
     except Exception:  # setup builds it again, and reports what fails there

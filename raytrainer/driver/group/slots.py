@@ -146,7 +146,7 @@ class Slots:
             if table.get("bundles_to_node_id", {}).get(0) in drained:  # a slot on a node about to go: not now
                 continue
             actor = start_worker(self.config, self.bundle, (pg, 0))
-            self.joining.append(((pg, 0), actor, actor.node.remote()))
+            self.joining.append(((pg, 0), actor, actor.warm_node.remote()))  # once its state is built
         return len(self.ready_joiners(take=False))
 
     def ready_joiners(self, take: bool) -> list[tuple[Slot, Any, Node]]:
