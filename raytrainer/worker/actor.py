@@ -131,7 +131,7 @@ class Worker:
         per epoch, whether the state is replicated)."""
         self._forming.note_working()
         self._warm_up.wait()
-        from .dist import choose_backend, choose_device
+        from .dist import choose_backend, choose_device, use_worker_cpus
 
         self.rank = rank
         cfg = self.config
@@ -140,10 +140,8 @@ class Worker:
             self.loop = None
         with _as_worker_error(self), self._forming.marked():
             resume = resolve(resume, self)
-            if not use_gpu:  # as Ray sets OMP_NUM_THREADS: a spare taking over was made with none
-                import torch
-
-                torch.set_num_threads(max(1, int((cfg.scaling.resources_per_worker or {}).get("CPU", 1))))
+            if not use_gpu:  # a spare taking over was made with none
+                use_worker_cpus(cfg.scaling.resources_per_worker)
             device = choose_device(use_gpu)
             self._backend = choose_backend(cfg.scaling.backend, use_gpu)
             prebuilt = adopt(self._warm_up.take(), resume, device)  # the model and optimizer, built ahead

@@ -22,6 +22,13 @@ def choose_backend(setting: str, use_gpu: bool) -> str:
     return "nccl" if use_gpu and torch.cuda.is_available() else "gloo"
 
 
+def use_worker_cpus(resources_per_worker: dict[str, float] | None) -> None:
+    """A CPU worker's intra-op threads: its CPUs (resources_per_worker, default 1), as Ray
+    sets OMP_NUM_THREADS for an actor that asks for them. A spare (it asks for none) would
+    otherwise take every core of the node from the training workers."""
+    torch.set_num_threads(max(1, int((resources_per_worker or {}).get("CPU", 1))))
+
+
 def choose_device(use_gpu: bool) -> torch.device:
     if not use_gpu:
         return torch.device("cpu")

@@ -39,7 +39,7 @@ class Prebuilt:
     task: Any
     train: TrainState
     most_world_size: int
-    nbytes: int = 0
+    nbytes: int
 
 
 def prebuild(config: Config) -> Prebuilt | None:
@@ -52,15 +52,14 @@ def prebuild(config: Config) -> Prebuilt | None:
     if ray.is_initialized() and ray.get_gpu_ids():
         return None
     from ..task import build_task
+    from .dist import use_worker_cpus
     from .loop import LoopSettings
     from .sizing import Sizing
     from .state import TrainState
     from .strategy import build_strategy
 
     try:
-        # setup's thread count for a CPU worker; its intra-op threads would otherwise take
-        # every core of the node from the training workers.
-        torch.set_num_threads(max(1, int((config.scaling.resources_per_worker or {}).get("CPU", 1))))
+        use_worker_cpus(config.scaling.resources_per_worker)  # as setup does
         task = build_task(config.task, config.task.payload)
         most = Sizing.of(LoopSettings.of(config), config.scaling.num_workers).most_world_size
         strategy = build_strategy(config.trainer, most, task)
