@@ -101,6 +101,14 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     settings = settings_lines(report)
     assert settings[0] == "| rank 0 at steady state (train runs) | raw DDP | Ray Train | raytrainer |"
     assert "| torch intra-op threads | 1 | 1 | 1 |" in settings
+    # raytrainer's workers run in a Ray it started, with its malloc settings; raw DDP's as the shell set them.
+    from raytrainer.driver.localray import RAY_SETTINGS
+
+    shell = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    assert runs["raytrainer"]["worker_threads"]["malloc"] == {
+        **{k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}, **shell}
+    assert runs["raw"]["worker_threads"]["malloc"] == shell
+    assert any(line.startswith("| malloc settings | ") and "MALLOC_ARENA_MAX=" in line for line in settings)
     assert any(line.startswith("Ray Train ran with: RAY_TRAIN_HEALTH_CHECK_INTERVAL_S ") for line in settings)
 
     figures = {f["key"]: f for f in report["figures"]}
@@ -476,3 +484,16 @@ def test_step_cpu_alternates_raw_ddp_and_the_loop_and_reports_their_ratio(capsys
     assert figures["ratio_min"] <= figures["ratio_q1"] <= figures["ratio"] <= figures["ratio_q3"] <= figures["ratio_max"]
     table = step_cpu.format_figures(figures)
     assert f"| {figures['raw_ms']:.3f} | {figures['raytrainer_ms']:.3f} | {figures['ratio']:.3f} (" in table
+
+
+def test_the_malloc_bench_runs_the_step_with_glibcs_defaults_and_with_raytrainers_settings():
+    from raytrainer.bench.state_size import measure_malloc
+    from raytrainer.driver.localray import RAY_SETTINGS
+
+    out = measure_malloc(0.05, repeat=1, steps=3, width=64)
+    ours = {k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}
+    assert ours and out["glibc_defaults"]["malloc"] == {} and out["raytrainer"]["malloc"] == ours
+    for way in ("glibc_defaults", "raytrainer"):
+        assert len(out[way]["first_step_s"]) == len(out[way]["step_median_s"]) == 1
+        assert out[way]["step_median_s"][0] > 0
+    assert out["defaults_over_raytrainer"] > 0

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,9 +363,15 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
             break
         assert driver.poll() is None, driver.stderr.read()
         time.sleep(0.1)
-    # The local Ray it started runs its workers at nice 0, not Ray's 15 (api.init_ray).
+    # The local Ray it started runs its workers at nice 0, not Ray's 15, and with the malloc
+    # settings that keep freed memory for the next step (localray.RAY_SETTINGS), where the
+    # user's environment sets none of its own.
     (pids,) = [json.loads(line)["pids"] for line in lines if '"group_formed"' in line]
     assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0, 0]
+    from raytrainer.driver.localray import RAY_SETTINGS
+
+    malloc = {k: os.environ.get(k, v) for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}
+    assert malloc and all(_environ(pid, malloc) == malloc for pid in pids)
     stall.write_text("!")  # every worker
     driver.send_signal(signal.SIGKILL)
     driver.wait()
@@ -387,6 +394,12 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     assert [e["event"] for e in log].count("resumed") == 1
     a, b = weights(reference.run_dir), weights(tmp_path / "killed")
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the undisturbed run"
+
+
+def _environ(pid: int, keys) -> dict[str, str | None]:
+    """The values of `keys` in process `pid`'s environment (Linux's /proc)."""
+    entries = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+    return {k: entries.get(k) for k in keys}
 
 
 def _alive(pid: int) -> bool:

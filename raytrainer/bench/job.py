@@ -56,7 +56,8 @@ def thread_snapshot() -> dict[str, Any]:
     """What this process computes with, taken by rank 0 at steady state, so a reader can
     check that every contender's ranks run with the same threads: torch's intra- and
     inter-op threads, the process's threads (the launcher's, Ray's, Gloo's, the loop's
-    own), its nice value (Ray starts its workers at RAY_worker_niceness, 15 by default)."""
+    own), its nice value (Ray starts its workers at RAY_worker_niceness, 15 by default), and
+    the malloc settings of its environment (a Ray raytrainer starts sets them: localray.py)."""
     import torch
 
     threads = None
@@ -65,7 +66,8 @@ def thread_snapshot() -> dict[str, Any]:
             if line.startswith("Threads:"):
                 threads = int(line.split()[1])
     return {"torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
-            "process_threads": threads, "nice": os.nice(0), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "process_threads": threads, "nice": os.nice(0), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
 
 
 def sgd_step(model, optimizer, xb, yb):

@@ -355,19 +355,25 @@ def contender_settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _cell(value: Any) -> str:
+    if isinstance(value, dict):  # the malloc settings: glibc's defaults where none is set
+        return " ".join(f"{k}={v}" for k, v in sorted(value.items())) or "glibc's defaults"
+    return str(value)
+
+
 def settings_lines(report: dict[str, Any]) -> list[str]:
     """The train runs' threads as a Markdown table, then each contender's settings."""
     labels = report.get("contenders", LABELS)
     keys = (("torch_intra_op", "torch intra-op threads"), ("torch_inter_op", "torch inter-op threads"),
             ("process_threads", "threads in rank 0's process"), ("nice", "nice"),
-            ("omp_num_threads", "OMP_NUM_THREADS"))
+            ("omp_num_threads", "OMP_NUM_THREADS"), ("malloc", "malloc settings"))
     train = {c: s["train"] for c, s in report.get("contender_settings", {}).items() if "train" in s}
     if not train:
         return []
     lines = ["| rank 0 at steady state (train runs) | " + " | ".join(labels[c] for c in train) + " |",
              "|" + "---|" * (len(train) + 1)]
     for key, title in keys:
-        cells = [", ".join(str(t.get(key)) for t in entry["worker_threads"]) or "-" for entry in train.values()]
+        cells = [", ".join(_cell(t.get(key)) for t in entry["worker_threads"]) or "-" for entry in train.values()]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
     for c, entry in train.items():

@@ -3,6 +3,7 @@ a kill, a fast recovery and a grow cost, against the size of the training state.
 
     python -m raytrainer.bench.state_size transfer --state-mb 500 [--repeat 2]
     python -m raytrainer.bench.state_size kill --state-mb 500 [--spares 1] [--kill-step 6]
+    python -m raytrainer.bench.state_size malloc --state-mb 500 [--repeat 3]
 
 `transfer`: two Ray actors on a local Ray; one holds a model of `layers` x
 Linear(width, width) with Adam after a step (training state: weights and Adam's two
@@ -20,6 +21,11 @@ run's events and metrics: the kill to the `worker_failed` event (detection), the
 (`recovered` seconds), the kill to the next step's row, the steps' own time, and with no
 spare the grow that takes the replacement back in (`resized` seconds: the pause). The
 driver's peak RSS is read at the end. Figures depend on the machine's load: name it.
+
+`malloc`: the model's step (one process, on a thread other than the main one, as a Ray
+worker runs its calls) with glibc's malloc settings as they are by default and as a Ray
+raytrainer starts sets them (driver/localray.py), interleaved, `--repeat` processes each:
+each process's median step after the first (the first allocates Adam's moments).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -225,6 +232,8 @@ def measure_kill(state_mb: float, spares: int, kill_step: int = 6, steps: int = 
     after = next(r for r in rows if r["time"] > killed_at)
     times = [r["time"] for r in rows]
     step_s = sorted(b - a for a, b in zip(times, times[1:]))
+    before = [t for t in times if t <= killed_at][-4:]  # the last steps before the kill, as the run went then
+    before_s = sorted(b - a for a, b in zip(before, before[1:]))
     return {
         "state_bytes": state_bytes(layers, width), "layers": layers, "width": width, "warm_spares": spares,
         "kill_to_failed_event_s": round(failed["time"] - killed_at, 3),
@@ -232,9 +241,63 @@ def measure_kill(state_mb: float, spares: int, kill_step: int = 6, steps: int = 
         "spares": rec.get("spares"), "dropped": rec.get("dropped"),
         "kill_to_next_step_s": round(after["time"] - killed_at, 3),
         "step_median_s": round(step_s[len(step_s) // 2], 3) if step_s else None,
+        "steps_before_kill_median_s": round(before_s[len(before_s) // 2], 3) if before_s else None,
+        "recovered_to_next_step_s": round(after["time"] - rec["time"], 3),
         "grow_pause_s": grow["seconds"] if grow else None,
         "driver_peak_rss_gb": round(out["driver_peak_rss_bytes"] / 1e9, 3),
     }
+
+
+# ---------------------------------------------------------------------------- malloc
+
+
+def steps_main(layers: int, width: int, steps: int) -> int:
+    """Train the model `steps` steps on a thread; print the steps' seconds and the malloc
+    settings this process ran with, as JSON."""
+    import threading
+
+    import torch
+
+    torch.set_num_threads(1)
+    task = StackTask(width, layers)
+    model = task.build_model()
+    optimizer = task.build_optimizer(model)
+    x, times = torch.randn(8, width), []
+
+    def train() -> None:
+        for _ in range(steps):
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            optimizer.step()
+            times.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+    print(json.dumps({"step_s": times, "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}))
+    return 0
+
+
+def measure_malloc(state_mb: float, repeat: int = 3, steps: int = 6, width: int = WIDTH) -> dict[str, Any]:
+    from ..driver.localray import RAY_SETTINGS
+
+    layers = layers_for(state_mb, width)
+    defaults = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    ways = {"glibc_defaults": defaults,
+            "raytrainer": {**defaults, **{k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}}}
+    out: dict[str, Any] = {"state_bytes": state_bytes(layers, width), "layers": layers, "width": width}
+    for _ in range(repeat):
+        for way, env in ways.items():  # interleaved: a drift of the machine's speed hits both
+            proc = subprocess.run([sys.executable, "-m", "raytrainer.bench.state_size", "_steps", str(layers),
+                                   str(width), str(steps)], env=env, capture_output=True, text=True, check=True)
+            seen = json.loads(proc.stdout.splitlines()[-1])
+            entry = out.setdefault(way, {"malloc": seen["malloc"], "first_step_s": [], "step_median_s": []})
+            entry["first_step_s"].append(round(seen["step_s"][0], 3))
+            entry["step_median_s"].append(round(statistics.median(seen["step_s"][1:]), 3))
+    out["defaults_over_raytrainer"] = round(statistics.median(out["glibc_defaults"]["step_median_s"])
+                                            / statistics.median(out["raytrainer"]["step_median_s"]), 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,9 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if len(argv) == 3 and argv[0] == "_driver":
         return driver_main(argv[1], argv[2])
+    if len(argv) == 4 and argv[0] == "_steps":
+        return steps_main(*map(int, argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m raytrainer.bench.state_size", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["transfer", "kill"])
+    parser.add_argument("what", choices=["transfer", "kill", "malloc"])
     parser.add_argument("--state-mb", type=float, default=500.0)
     parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--repeat", type=int, default=2)
@@ -255,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.what == "transfer":
         out = measure_transfer(args.state_mb, args.repeat, args.width)
+    elif args.what == "malloc":
+        out = measure_malloc(args.state_mb, args.repeat, width=args.width)
     else:
         out = measure_kill(args.state_mb, args.spares, args.kill_step, args.steps, args.width)
     text = json.dumps(out, indent=1)

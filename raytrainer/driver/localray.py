@@ -55,6 +55,14 @@ RAY_SETTINGS = {
     "RAY_enable_metrics_collection": "0",
     # No timing of every handler of every event loop (Ray's debug stats).
     "RAY_event_stats": "0",
+    # glibc's malloc gives a block over 32 MB back to the kernel as it is freed (mmap), and
+    # a thread other than the main one (the one that trains: Ray's) allocates from an arena
+    # that cannot hold such a block at all: a large model's gradients and its optimizer's
+    # temporaries were fresh memory at every step, page faults that took 40% of a step of a
+    # 2 GB state on CPU (docs/benchmarks.md, "The malloc settings"). One arena, and blocks
+    # under 4 GiB from it: freed memory is kept for the next step.
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
 }
 """What a Ray that raytrainer starts runs with (read from the environment by the processes
 it starts); a variable already set in the environment wins. A cluster started with `ray
