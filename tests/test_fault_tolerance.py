@@ -108,7 +108,7 @@ def test_a_spare_that_does_not_answer_is_not_counted_on_though_its_node_looks_al
 
 def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_local, tmp_path):
     """No spare while the workers build their task and take their first step (it would
-    import torch on their cores); failure.warm_spares of them once training runs; lost
+    import torch on their cores); failure.warm_spares of them once a step is reported; lost
     workers' places go to them, not to cold starts, which take over with the model and
     optimizer they built while they waited (worker/warm.py)."""
     from raytrainer.config import load_config
@@ -123,7 +123,10 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
         group.setup()
         assert group.spares.spares == []
         group.launch()
-        group.poll(0.1)
+        stepped, deadline = False, time.monotonic() + 120
+        while not group.spares.spares and time.monotonic() < deadline:
+            stepped |= any("loss" in row for row in group.poll(0.1).rows)
+        assert stepped  # started at the poll that brought a step's row, not before
         spares = [actor for actor, _, _ in group.spares.spares]
         assert len(spares) == 2
         import ray
@@ -338,9 +341,10 @@ def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold()
     assert not wait(61, 0, 0)  # ... up to placement_timeout_s
 
 
-def test_the_next_warm_spares_start_once_the_recovered_group_has_formed(tmp_path):
-    # Not while the recovery runs: its process start and torch import would take the cores
-    # that the spare taking over (maybe still starting itself) and the survivors need.
+def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(tmp_path, monkeypatch):
+    # Not while the recovery runs, nor in the first step after it: its process start and
+    # torch import would take the cores that the spare taking over (maybe still starting
+    # itself) and the survivors need.
     from raytrainer.config import load_config
     from raytrainer.contract import Node
     from raytrainer.driver.group import RayWorkerGroup
@@ -369,7 +373,21 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_formed(tmp_path
         ready_joiners=lambda take: [],
         start_joiners=lambda in_use, draining: calls.append(("start_joiners",)) or 0,
         starting=lambda: False)
+    group._stepped = True  # the group before the loss had trained
     reformed = group.reform([1])
     assert calls == [("kill", 1), ("take_spare", "n"), ("wait_placed", {1: "the spare's node() call"}),
-                     ("form", [0, 1]), ("start_joiners",), ("start_spares",)]
+                     ("form", [0, 1]), ("start_joiners",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"]
+    # Launched again: the spares start at the poll that brings the re-formed group's first step.
+    import ray
+
+    group.roster.actors = [SimpleNamespace(run=SimpleNamespace(remote=lambda: object())) for _ in range(2)]
+    group.launch()
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: ([], list(refs)))
+    drained = iter([([], [{"event": "a worker's event"}]), ([{"step": 6, "loss": 1.0}], [])])
+    group._drain = lambda timeout: next(drained)
+    calls.clear()
+    group.poll(0.0)
+    assert calls == []
+    group.poll(0.0)
+    assert calls == [("start_spares",)]

@@ -55,6 +55,7 @@ class RayWorkerGroup:
         self._pending: list[Any] = []
         self._finished: dict[int, RunEnd] = {}
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
+        self._stepped = False  # whether the group launched last has reported a step (spares.py)
         # Replacements started by a re-form that failed before they were up (_starting_ranks).
         self._starting: list[Any] = []
 
@@ -104,17 +105,19 @@ class RayWorkerGroup:
         self._pending = list(self._runs)
         self._finished = {}
         self._drain_ref = None
+        self._stepped = False
 
     def poll(self, timeout: float) -> Poll:
         """Wait up to `timeout` for any worker's run() to end; collect new metric rows, and
         how each run() that ended did, if not by finishing."""
         ready, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
-        if not self.slots.starting():  # started here, once training runs (spares.py)
-            self.spares.start(self.roster)
         if ready and self._pending:  # whatever else has ended too, without waiting
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
         poll = Poll(*self._drain(timeout=1.0))
+        self._stepped |= any("step" in row for row in poll.rows)
+        if self._stepped and not self.slots.starting():  # once training runs (spares.py)
+            self.spares.start(self.roster)
         for ref in ready:
             rank = self._runs.index(ref)
             result = actors.outcome(self.roster, rank, ref)

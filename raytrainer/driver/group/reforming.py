@@ -235,11 +235,11 @@ def _replace(group: RayWorkerGroup, dead: list[int], regrow: list[int] = ()) -> 
         if rank not in regrow:
             roster.actors[rank] = start_worker(group.config, group.bundle, roster.slots[rank])
             group._starting.append(roster.actors[rank])
-    # Replacements of the ranks left behind, and the next spares, start once the group
-    # has formed (_restock), not now: starting a process and importing torch took the
-    # cores the recovery needed (on 2 cores, it held up the spare taking over when that
-    # was still starting), and one started now would still be starting at a recovery's
-    # next attempt.
+    # Replacements of the ranks left behind start once the group has formed (_restock),
+    # the next spares once it has trained a step (RayWorkerGroup.poll), not now: starting a
+    # process and importing torch took the cores the recovery needed (on 2 cores, it held
+    # up the spare taking over when that was still starting), and one started now would
+    # still be starting at a recovery's next attempt.
     return asked
 
 
@@ -286,8 +286,6 @@ def _form(group: RayWorkerGroup, calls: dict[int, tuple[bool | None, Any]], keep
 
 def _restock(group: RayWorkerGroup) -> None:
     """Once a group has formed: start a worker in every free slot placed (the ranks left
-    behind by a recovery get their replacements; they join at a resize), and, once none
-    is starting, the spares used up."""
+    behind by a recovery get their replacements; they join at a resize). The spares used
+    up start once the group has trained a step (RayWorkerGroup.poll)."""
     group.slots.start_joiners(group.roster.slots + group.moves.slots_in_use(), group.draining)
-    if not group.slots.starting():
-        group.spares.start(group.roster)
