@@ -1,5 +1,7 @@
 """The loop on one rank, in-process: no Ray, no process group."""
 
+import time
+
 import pytest
 import torch
 
@@ -120,6 +122,35 @@ def test_a_batch_too_big_for_the_data_at_max_workers_fails_at_the_start():
     assert per_worker_loop(max_steps=1, max_world_size=6).plan.global_batch_size == 16
     with pytest.raises(ConfigError, match="100 samples, fewer than one global batch of 112"):
         per_worker_loop(max_steps=1, max_world_size=7)
+
+
+def test_a_worker_taken_while_it_builds_ahead_leaves_its_object_store_alone(tmp_path, monkeypatch):
+    """A worker warms its node's object store for the hand-over once it has built ahead,
+    unless its setup took the state meanwhile: the hand-over has happened, and the put
+    would take cores from its first step."""
+    import threading
+
+    from raytrainer.config import load_config
+    from raytrainer.worker import warm
+    from raytrainer.worker.actor import _WarmUp
+
+    cfg = load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 4},
+                       "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}})
+    gate, touched, taken = threading.Event(), [], []
+    monkeypatch.setattr(warm, "prebuild", lambda config, build=warm.prebuild: gate.wait(30) and build(config))
+    monkeypatch.setattr(warm, "touch_object_store", touched.append)
+    building = _WarmUp(cfg, spare=False)
+    setup = threading.Thread(target=lambda: taken.append(building.take()))
+    setup.start()
+    while not building._taken:
+        time.sleep(0.01)
+    gate.set()
+    setup.join(30)
+    building.wait(building.warmed)
+    assert taken and taken[0] is not None and touched == []
+    ahead = _WarmUp(cfg, spare=False)  # built before setup asks: the store is warmed
+    ahead.wait(ahead.warmed)
+    assert len(touched) == 1 and touched[0] is ahead.take()
 
 
 def test_a_training_state_built_ahead_is_the_one_setup_builds_and_a_loaded_state_goes_on_over_it(tmp_path):

@@ -229,7 +229,9 @@ def measure_kill(state_mb: float, spares: int, kill_step: int = 6, steps: int = 
     failed = next(e for e in events if e["event"] == "worker_failed")
     rec = next(e for e in events if e["event"] == "recovered")
     grow = next((e for e in events if e["event"] == "resized" and e["new_world_size"] > e["old_world_size"]), None)
-    after = next(r for r in rows if r["time"] > killed_at)
+    # The first step after the recovery (a row between the kill and the recovery is a step
+    # that ended before the kill reached the process: the kill then cut the next one).
+    after = next(r for r in rows if r["time"] > max(killed_at, rec["time"]))
     times = [r["time"] for r in rows]
     step_s = sorted(b - a for a, b in zip(times, times[1:]))
     before = [t for t in times if t <= killed_at][-4:]  # the last steps before the kill, as the run went then

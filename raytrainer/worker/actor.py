@@ -346,6 +346,7 @@ class _WarmUp:
     def __init__(self, config: Any, spare: bool):
         self._thread = None
         self._prebuilt = None
+        self._taken = False  # setup has taken the state: a hand-over no longer to warm the store for
         self.imported, self.built, self.warmed = threading.Event(), threading.Event(), threading.Event()
         if spare:
             self._start(self._run, config, 19)
@@ -381,10 +382,13 @@ class _WarmUp:
             if config is not None:
                 from .warm import prebuild, touch_object_store
 
-                self._prebuilt = prebuild(config)
+                prebuilt = self._prebuilt = prebuild(config)
                 self.built.set()
-                if self._prebuilt is not None:  # not waited for by setup: it may take the state meanwhile
-                    touch_object_store(self._prebuilt)
+                # Not waited for by setup, which may take the state meanwhile. A spare taken
+                # while it built has had its hand-over: a put now would only take cores and
+                # memory from its first step.
+                if prebuilt is not None and not self._taken:
+                    touch_object_store(prebuilt)
         finally:
             self.built.set()
             self.warmed.set()
@@ -399,6 +403,7 @@ class _WarmUp:
 
     def take(self) -> Any:
         """The training state built ahead (warm.Prebuilt), once; None if none was."""
+        self._taken = True
         self.wait(self.built)
         prebuilt, self._prebuilt = self._prebuilt, None
         return prebuilt
