@@ -58,8 +58,8 @@ RAY_SETTINGS = {
     # glibc's malloc gives a block over 32 MB back to the kernel as it is freed (mmap), and
     # a thread other than the main one (the one that trains: Ray's) allocates from an arena
     # that cannot hold such a block at all: a large model's gradients and its optimizer's
-    # temporaries were fresh memory at every step, page faults that took 40% of a step of a
-    # 2 GB state on CPU (docs/benchmarks.md, "The malloc settings"). One arena, and blocks
+    # temporaries were fresh memory at every step, page faults that took a fifth of a step of
+    # a 2 GB state on CPU (docs/benchmarks.md, "The malloc settings"). One arena, and blocks
     # under 4 GiB from it: freed memory is kept for the next step.
     "MALLOC_ARENA_MAX": "1",
     "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
