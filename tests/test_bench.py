@@ -102,11 +102,11 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     assert settings[0] == "| rank 0 at steady state (train runs) | raw DDP | Ray Train | raytrainer |"
     assert "| torch intra-op threads | 1 | 1 | 1 |" in settings
     # raytrainer's workers run in a Ray it started, with its malloc settings; raw DDP's as the shell set them.
-    from raytrainer.driver.localray import RAY_SETTINGS
+    from raytrainer.bench.job import malloc_settings
+    from raytrainer.driver.localray import MALLOC_SETTINGS
 
-    shell = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
-    assert runs["raytrainer"]["worker_threads"]["malloc"] == {
-        **{k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}, **shell}
+    shell = malloc_settings(os.environ)
+    assert runs["raytrainer"]["worker_threads"]["malloc"] == {**MALLOC_SETTINGS, **shell}
     assert runs["raw"]["worker_threads"]["malloc"] == shell
     assert any(line.startswith("| malloc settings | ") and "MALLOC_ARENA_MAX=" in line for line in settings)
     assert any(line.startswith("Ray Train ran with: RAY_TRAIN_HEALTH_CHECK_INTERVAL_S ") for line in settings)
@@ -488,11 +488,11 @@ def test_step_cpu_alternates_raw_ddp_and_the_loop_and_reports_their_ratio(capsys
 
 def test_the_malloc_bench_runs_the_step_with_glibcs_defaults_and_with_raytrainers_settings():
     from raytrainer.bench.state_size import measure_malloc
-    from raytrainer.driver.localray import RAY_SETTINGS
+    from raytrainer.driver.localray import MALLOC_SETTINGS, RAY_SETTINGS
 
     out = measure_malloc(0.05, repeat=1, steps=3, width=64)
-    ours = {k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}
-    assert ours and out["glibc_defaults"]["malloc"] == {} and out["raytrainer"]["malloc"] == ours
+    ours = {k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}  # what a Ray raytrainer starts sets
+    assert ours == MALLOC_SETTINGS and out["glibc_defaults"]["malloc"] == {} and out["raytrainer"]["malloc"] == ours
     for way in ("glibc_defaults", "raytrainer"):
         assert len(out[way]["first_step_s"]) == len(out[way]["step_median_s"]) == 1
         assert out[way]["step_median_s"][0] > 0

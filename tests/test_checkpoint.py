@@ -368,9 +368,9 @@ def test_driver_sigkill_then_resume_is_bit_identical(ray_local, tmp_path):
     # user's environment sets none of its own.
     (pids,) = [json.loads(line)["pids"] for line in lines if '"group_formed"' in line]
     assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0, 0]
-    from raytrainer.driver.localray import RAY_SETTINGS
+    from raytrainer.driver.localray import MALLOC_SETTINGS
 
-    malloc = {k: os.environ.get(k, v) for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}
+    malloc = {k: os.environ.get(k, v) for k, v in MALLOC_SETTINGS.items()}
     assert malloc and all(_environ(pid, malloc) == malloc for pid in pids)
     stall.write_text("!")  # every worker
     driver.send_signal(signal.SIGKILL)

@@ -52,6 +52,11 @@ def threads_at(steps: int) -> int:
     return max(1, steps // 2)
 
 
+def malloc_settings(environ: Any) -> dict[str, str]:
+    """The malloc settings (MALLOC_*) that `environ` holds."""
+    return {k: v for k, v in environ.items() if k.startswith("MALLOC_")}
+
+
 def thread_snapshot() -> dict[str, Any]:
     """What this process computes with, taken by rank 0 at steady state, so a reader can
     check that every contender's ranks run with the same threads: torch's intra- and
@@ -67,7 +72,7 @@ def thread_snapshot() -> dict[str, Any]:
                 threads = int(line.split()[1])
     return {"torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
             "process_threads": threads, "nice": os.nice(0), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
+            "malloc": malloc_settings(os.environ)}
 
 
 def sgd_step(model, optimizer, xb, yb):

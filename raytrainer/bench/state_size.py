@@ -43,7 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..driver.localray import MALLOC_SETTINGS
 from .driver_memory import BigStateTask
+from .job import malloc_settings
 
 TASK = "raytrainer.bench.state_size:StackTask"
 WIDTH = 4096
@@ -277,17 +279,14 @@ def steps_main(layers: int, width: int, steps: int) -> int:
     thread = threading.Thread(target=train)
     thread.start()
     thread.join()
-    print(json.dumps({"step_s": times, "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}))
+    print(json.dumps({"step_s": times, "malloc": malloc_settings(os.environ)}))
     return 0
 
 
 def measure_malloc(state_mb: float, repeat: int = 3, steps: int = 6, width: int = WIDTH) -> dict[str, Any]:
-    from ..driver.localray import RAY_SETTINGS
-
     layers = layers_for(state_mb, width)
-    defaults = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    ways = {"glibc_defaults": defaults,
-            "raytrainer": {**defaults, **{k: v for k, v in RAY_SETTINGS.items() if k.startswith("MALLOC_")}}}
+    defaults = {k: v for k, v in os.environ.items() if k not in malloc_settings(os.environ)}
+    ways = {"glibc_defaults": defaults, "raytrainer": {**defaults, **MALLOC_SETTINGS}}
     out: dict[str, Any] = {"state_bytes": state_bytes(layers, width), "layers": layers, "width": width}
     for _ in range(repeat):
         for way, env in ways.items():  # interleaved: a drift of the machine's speed hits both

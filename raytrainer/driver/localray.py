@@ -42,6 +42,19 @@ from typing import Any, Iterator
 
 from . import _internals
 
+MALLOC_SETTINGS = {
+    # glibc's malloc gives a block over 32 MB back to the kernel as it is freed (mmap), and
+    # a thread other than the main one (the one that trains: Ray's) allocates from an arena
+    # that cannot hold such a block at all: a large model's gradients and its optimizer's
+    # temporaries were fresh memory at every step, page faults that took a fifth of a step of
+    # a 2 GB state on CPU (docs/benchmarks.md, "The malloc settings"). One arena, and blocks
+    # under 4 GiB from it: freed memory is kept for the next step.
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
+}
+"""The part of RAY_SETTINGS that is glibc's malloc's (the bench sets it apart)."""
+
+
 RAY_SETTINGS = {
     # Its workers at nice 0, not Ray's 15: the Ray exists for the run's workers, and at
     # nice 15 every other process on a busy machine (the driver, Ray's own daemons,
@@ -55,14 +68,7 @@ RAY_SETTINGS = {
     "RAY_enable_metrics_collection": "0",
     # No timing of every handler of every event loop (Ray's debug stats).
     "RAY_event_stats": "0",
-    # glibc's malloc gives a block over 32 MB back to the kernel as it is freed (mmap), and
-    # a thread other than the main one (the one that trains: Ray's) allocates from an arena
-    # that cannot hold such a block at all: a large model's gradients and its optimizer's
-    # temporaries were fresh memory at every step, page faults that took a fifth of a step of
-    # a 2 GB state on CPU (docs/benchmarks.md, "The malloc settings"). One arena, and blocks
-    # under 4 GiB from it: freed memory is kept for the next step.
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
+    **MALLOC_SETTINGS,
 }
 """What a Ray that raytrainer starts runs with (read from the environment by the processes
 it starts); a variable already set in the environment wins. A cluster started with `ray
