@@ -112,6 +112,44 @@ def test_a_copy_written_in_turns_reads_back_its_newest_complete_step(tmp_path):
     assert not list(SHM.glob(f"{name}-*"))
 
 
+def test_the_step_a_recovery_secured_is_not_copied_again_the_next_one_is(tmp_path):
+    _, _, state = training_state(width=64)
+    name = f"raytrainer-copy-secured-{os.getpid()}"
+    copy = copies.StateCopy(name, step=12)
+    try:
+        copy.take(12, lambda: 1 / 0)  # the object store holds step 12: the first step goes on at once
+        assert copies.read(name) == (None, None)
+        copy.take(13, lambda: state)
+        assert copies.read(name)[0] == 13
+    finally:
+        copy.remove()
+
+
+def test_the_driver_tells_a_lone_holder_which_step_its_recovery_secured():
+    from raytrainer.config import load_config
+    from raytrainer.contract import Node, Status
+    from raytrainer.driver.group.actors import Roster
+    from raytrainer.driver.group.copies import KeptCopies
+
+    class Actor:
+        def __init__(self):
+            self.calls = []
+            self.keep_copy = self  # actor.keep_copy.remote(...)
+
+        def remote(self, *args):
+            self.calls.append(args)
+
+    kept = KeptCopies(load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
+                                   "scaling": {"num_workers": 2}}))
+    lone, node = Actor(), Node(node_id="n1", ip="127.0.0.1")
+    kept.after_form(Roster(actors=[lone], nodes=[node]), (Status(step=7, progress=0, phase="train"), "ref"))
+    (name, secured), = lone.calls
+    assert name.startswith("raytrainer-copy-") and secured == 7
+    assert kept.secured[1] == "ref"
+    kept.after_form(Roster(actors=[lone, Actor()], nodes=[node, node]), None)  # a second holder is back
+    assert lone.calls[-1] == (None,) and kept.holder is None and kept.secured is None
+
+
 # ---------------------------------------------------------------------------- from outside
 
 

@@ -229,17 +229,18 @@ class Worker:
         packed = pack(self.loop.state_dict())
         return packed.nbytes, packed
 
-    def keep_copy(self, prefix: str | None) -> None:
+    def keep_copy(self, prefix: str | None, secured: int | None = None) -> None:
         """Keep a copy of the state in this node's shared memory, named `prefix`, at every
         step boundary from now on (this worker is the state's only holder: copies.py);
-        None: stop, and remove it."""
+        None: stop, and remove it. `secured`: the step whose state the driver holds in the
+        object store already, not copied again."""
         from .copies import StateCopy
 
         if self._copy is not None and prefix != self._copy.name:
             self._copy.remove()
             self._copy = None
         if prefix is not None and self._copy is None:
-            self._copy = StateCopy(prefix)
+            self._copy = StateCopy(prefix, step=secured)
         if self.loop is not None:
             self.loop.keeper = self._keep if self._copy is not None else None
 

@@ -2,9 +2,10 @@
 
 "Two copies, always" (DESIGN.md): when a re-formed group has one worker (a fast recovery
 down to one worker of two, its replacement still starting), that worker is the state's
-only holder. It keeps a copy in its node's shared memory, written at every step boundary
-(worker/copies.py via the actor's keep_copy), and the driver keeps, from the recovery, the
-state it secured in the object store (the node's, not the worker's). If that worker dies
+only holder. The driver keeps, from the recovery, the state it secured in the object store
+(the node's, not the worker's), and the worker a copy in its node's shared memory, written
+at every step boundary after that state's (worker/copies.py via the actor's keep_copy),
+so that the first step after the recovery waits for no copy. If that worker dies
 too, the recovery finds no survivor and starts from the newer of the two: the shared
 memory copy is read by a Ray task on its node into the object store, and the workers of the
 next group load it from there, as they would a survivor's state. At most the step in
@@ -45,9 +46,9 @@ class KeptCopies:
         self._stale: list[tuple[str, str]] = []  # (node id, name): copies whose holder is gone
 
     def after_form(self, roster: Roster, secured: tuple[Status, Any] | None) -> None:
-        """A group has formed over `roster`: a lone worker keeps a copy (its first written
-        before its next step: keep_copy is queued ahead of run()); with two or more none
-        is kept. `secured`: the state this re-form secured, if any."""
+        """A group has formed over `roster`: a lone worker keeps a copy (keep_copy is queued
+        ahead of run(); its first is of the step after `secured`, the state this re-form
+        secured, if any, else of the step it is at); with two or more none is kept."""
         lone = len(roster.actors) == 1 and self.wanted
         actor = roster.actors[0] if lone else None
         if self.holder is not None and self.holder[0] is not actor:
@@ -64,9 +65,10 @@ class KeptCopies:
         if self.holder is None:
             name = f"raytrainer-copy-{_safe(self.run_name)}-{uuid.uuid4().hex[:12]}"
             self.holder = (actor, roster.nodes[0].node_id, name)
-        actor.keep_copy.remote(self.holder[2])
         if secured is not None:
             self.secured = secured
+        # The step it re-formed at is secured already: its first copy is of the next one.
+        actor.keep_copy.remote(self.holder[2], secured[0].step if secured is not None else None)
 
     def newest(self) -> tuple[Status, Any] | None:
         """For a recovery with no survivor: (where the state is, its object-store reference),
