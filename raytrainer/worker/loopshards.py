@@ -16,7 +16,9 @@ From the pieces and the layout, without the model (it exists only inside fn):
   another world size), and this rank's piece cut from them;
 - `to_checkpoint`, `template` and `from_checkpoint`: the tensors by number, as a sharded
   checkpoint (torch.distributed.checkpoint, which re-shards on load) writes them, and the
-  rest of the state (its structure and plain values) in the checkpoint's plain part.
+  rest of the state (its structure and plain values) in the checkpoint's plain part;
+- `resolve`: a state handed over to a loop (a snapshot, every rank's for a re-shard, a
+  sharded checkpoint's URI) as the loop's state_dict gives it.
 
 Plain torch; no Ray.
 """
@@ -28,7 +30,8 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoint import to_cpu
-from ..errors import TaskError
+from ..contract import Reshard, Snapshot
+from ..errors import ConfigError, TaskError
 from .reshard import chunk
 
 # [[path of keys], [global shape], [global stride], dtype name, shard dim or None], per tensor
@@ -164,3 +167,32 @@ def _get(tree: Any, path: tuple) -> Any:
 
 def _name(path: tuple) -> str:
     return "".join(f"[{key!r}]" for key in path)
+
+
+def resolve(state: dict[str, Any] | str | Snapshot | Reshard, mesh: Any, strategy: str) -> dict[str, Any]:
+    """The state handed over to a loop, as its state_dict() gives it: a peer snapshot of
+    its rank's (its own, or the copy its successor held), every old rank's (a re-shard:
+    put back together, then cut as it loads), or a sharded checkpoint's URI (read here over
+    `mesh`, a collective: every rank reads its pieces). `mesh` None: the loop's state is
+    replicated (trainer.strategy `strategy`), and is that already."""
+    from .snapshot import load
+
+    if mesh is None and isinstance(state, (str, Snapshot, Reshard)):
+        raise ConfigError("the checkpoint to resume from is sharded (trainer.strategy: fsdp) but this run "
+                          f"has trainer.strategy={strategy}; resume it with fsdp")
+    if isinstance(state, Snapshot):
+        return load(state)
+    if isinstance(state, Reshard):
+        parts = [load(part) for part in state.parts]
+        layout = parts[0]["loop"]["layout"]
+        return {"loop": parts[0]["loop"], "user": joined([p["user"] for p in parts], layout)}
+    if isinstance(state, str):
+        from .sharded import checkpoint_location, load_sharded, read_plain
+
+        storage, name = checkpoint_location(state)
+        saved = read_plain(storage, name)["loop"]
+        if "layout" not in saved:
+            return {"loop": saved, "user": None}  # the loop's load_state_dict says what it is
+        loaded = load_sharded({"tensors": template(saved["layout"], mesh)}, storage, name)
+        return {"loop": saved, "user": from_checkpoint(saved.pop("user"), saved["layout"], loaded["tensors"])}
+    return state

@@ -57,7 +57,7 @@ from . import _internals, loopshards
 from .dist import all_reduce_sum
 from .loop import Loop
 from .saver import CheckpointSaver
-from .snapshot import PeerSnapshots, check_memory, load, state_bytes
+from .snapshot import PeerSnapshots, check_memory, state_bytes
 from .strategy import build_strategy
 from .validation import ReportValidations
 
@@ -106,7 +106,7 @@ class UserLoop:
         self._history: collections.deque = collections.deque(maxlen=256)
         self.validations = ReportValidations(config.trainer.validation, report, notify)  # ctx.report(validate=)
         self._node = node or socket.gethostname()  # where this worker runs: its local rank
-        self._local_environment()
+        self.local_rank, self.local_world_size = local_environment(rank, world_size, self._node)
         self.mesh = None if self.replicated else self._mesh()  # ctx.state's and prepare_model's
         # Sharded: every report with state is a peer snapshot too (off: failure.snapshot_every_n_steps 0).
         self.snapshots = snapshots if not self.replicated and snapshots is not None and snapshots.every else None
@@ -114,7 +114,7 @@ class UserLoop:
         if self.snapshots is not None:
             self.snapshots.bind(rank, world_size)
         if state is not None:
-            self.load_state_dict(self._resolve(state))
+            self.load_state_dict(loopshards.resolve(state, self.mesh, self.config.trainer.strategy))
 
     # ------------------------------------------------------------------ the Loop's face
 
@@ -182,7 +182,7 @@ class UserLoop:
         self.rank, self.world_size = rank, world_size
         self.saver.rank = rank
         self.pause_requested = self._pause_agreed = self.paused = False
-        self._local_environment()
+        self.local_rank, self.local_world_size = local_environment(rank, world_size, self._node)
 
     def abandon_step(self) -> None:
         """fn was interrupted: what it built is dropped; the copy of the last report stays."""
@@ -343,49 +343,6 @@ class UserLoop:
 
         return default_mesh(self.device.type)
 
-    def _resolve(self, state: dict[str, Any] | str | Snapshot | Reshard) -> dict[str, Any]:
-        """The state handed over, as state_dict() gives it: a peer snapshot of this rank's
-        (its own, or the copy its successor held), every old rank's (a re-shard: put back
-        together, then cut in load_state_dict), or a sharded checkpoint's URI (read here, a
-        collective: every rank reads its pieces); a replicated state is that already."""
-        if self.replicated and isinstance(state, (str, Snapshot, Reshard)):
-            raise ConfigError("the checkpoint to resume from is sharded (trainer.strategy: fsdp) but this run "
-                              f"has trainer.strategy={self.config.trainer.strategy}; resume it with fsdp")
-        if isinstance(state, Snapshot):
-            return load(state)
-        if isinstance(state, Reshard):
-            parts = [load(part) for part in state.parts]
-            layout = parts[0]["loop"]["layout"]
-            return {"loop": parts[0]["loop"], "user": loopshards.joined([p["user"] for p in parts], layout)}
-        if isinstance(state, str):
-            from .sharded import checkpoint_location, load_sharded, read_plain
-
-            storage, name = checkpoint_location(state)
-            saved = read_plain(storage, name)["loop"]
-            if "layout" not in saved:
-                return {"loop": saved, "user": None}  # load_state_dict says what it is
-            loaded = load_sharded({"tensors": loopshards.template(saved["layout"], self.mesh)}, storage, name)
-            return {"loop": saved, "user": loopshards.from_checkpoint(saved.pop("user"), saved["layout"],
-                                                                      loaded["tensors"])}
-        return state
-
-    def _local_environment(self) -> None:
-        """What torchrun sets, for code that initialises itself from it (Hugging Face's
-        Trainer, accelerate, Lightning): this group's ranks, and on this node. Forming the
-        group set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (dist.init_group); the
-        local rank needs every rank's node: one all-gather, as the group forms."""
-        here = self._node
-        nodes = [here]
-        if self.world_size > 1:
-            nodes = [None] * self.world_size
-            dist.all_gather_object(nodes, here)
-        self.local_rank = nodes[: self.rank].count(here)
-        self.local_world_size = nodes.count(here)
-        node_rank = str(sorted(set(nodes), key=nodes.index).index(here))
-        os.environ.update(LOCAL_RANK=str(self.local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size),
-                          GROUP_RANK=node_rank, NODE_RANK=node_rank)
-        _forget_framework_state()
-
     _phase = Loop._phase  # where this rank is, for the driver's hang check
 
 
@@ -495,6 +452,24 @@ class GlobalSampler:
 # --------------------------------------------------------------------------- state
 
 PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None))
+
+
+def local_environment(rank: int, world_size: int, here: str) -> tuple[int, int]:
+    """What torchrun sets, for code that initialises itself from it (Hugging Face's
+    Trainer, accelerate, Lightning): this group's ranks, and on this node (`here`).
+    Forming the group set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (dist.init_group);
+    the local rank needs every rank's node: one all-gather, as the group forms. Returns
+    (the local rank, the local world size)."""
+    nodes = [here]
+    if world_size > 1:
+        nodes = [None] * world_size
+        dist.all_gather_object(nodes, here)
+    local_rank, local_world_size = nodes[:rank].count(here), nodes.count(here)
+    node_rank = str(sorted(set(nodes), key=nodes.index).index(here))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world_size),
+                      GROUP_RANK=node_rank, NODE_RANK=node_rank)
+    _forget_framework_state()
+    return local_rank, local_world_size
 
 
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
