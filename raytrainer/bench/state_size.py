@@ -285,7 +285,8 @@ def steps_main(layers: int, width: int, steps: int) -> int:
 
 def measure_malloc(state_mb: float, repeat: int = 3, steps: int = 6, width: int = WIDTH) -> dict[str, Any]:
     layers = layers_for(state_mb, width)
-    defaults = {k: v for k, v in os.environ.items() if k not in malloc_settings(os.environ)}
+    shell = malloc_settings(os.environ)
+    defaults = {k: v for k, v in os.environ.items() if k not in shell}
     ways = {"glibc_defaults": defaults, "raytrainer": {**defaults, **MALLOC_SETTINGS}}
     out: dict[str, Any] = {"state_bytes": state_bytes(layers, width), "layers": layers, "width": width}
     for _ in range(repeat):
