@@ -295,8 +295,9 @@ def measure_malloc(state_mb: float, repeat: int = 3, steps: int = 6, width: int 
                                    str(width), str(steps)], env=env, capture_output=True, text=True, check=True)
             seen = json.loads(proc.stdout.splitlines()[-1])
             entry = out.setdefault(way, {"malloc": seen["malloc"], "first_step_s": [], "step_median_s": []})
-            entry["first_step_s"].append(round(seen["step_s"][0], 3))
-            entry["step_median_s"].append(round(statistics.median(seen["step_s"][1:]), 3))
+            # Microseconds, not milliseconds: a small model's step rounded to 0 at 3 decimals.
+            entry["first_step_s"].append(round(seen["step_s"][0], 6))
+            entry["step_median_s"].append(round(statistics.median(seen["step_s"][1:]), 6))
     out["defaults_over_raytrainer"] = round(statistics.median(out["glibc_defaults"]["step_median_s"])
                                             / statistics.median(out["raytrainer"]["step_median_s"]), 2)
     return out
