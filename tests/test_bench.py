@@ -4,7 +4,10 @@ and nothing the bench started is left running."""
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict
@@ -25,7 +28,7 @@ from raytrainer.errors import ConfigError
 from raytrainer.driver.plot import plot_runs
 
 from .test_plot import expected_shape, read_png
-from .waits import Deadline
+from .waits import Deadline, patience, wait_until
 
 
 @pytest.fixture
@@ -216,6 +219,28 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     plot = plot_runs([runs["raytrainer"]["run_dir"]], tmp_path / "run.png")
     assert plot.panels == ["loss", "learning rate", "throughput", "world size"]
     assert read_png(plot.path).shape[:2] == expected_shape(4)
+
+
+@pytest.mark.slow
+def test_a_bench_sigtermed_stops_its_contender_with_everything_it_started(tmp_path, tagged):
+    """`kill` of the bench (or a CI job's time limit) while a contender trains: the bench
+    exits 143 once it has stopped the contender, its Ray and its workers (each contender runs
+    in a session of its own, which a SIGTERM of the bench alone did not reach)."""
+    bench_proc = subprocess.Popen([sys.executable, "-m", "raytrainer", "bench", "--smoke", "--scenarios", "stall",
+                                   "--out", str(tmp_path / "bench.json")], cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        # A process of the contender's own Ray (an agent, a worker): the contender runs, its Ray up.
+        wait_until(lambda: any(" ray::" in p for p in tagged_processes(tagged)), "the contender's Ray",
+                   timeout_s=120.0, alive=lambda: bench_proc.poll() is None)
+        bench_proc.send_signal(signal.SIGTERM)
+        # The contender gets 15 s to stop its Ray, then what is left is SIGKILLed (run.stop).
+        assert bench_proc.wait(timeout=patience(60)) == 128 + signal.SIGTERM, bench_proc.stderr.read()
+    finally:
+        if bench_proc.poll() is None:
+            bench_proc.kill()
+    assert_nothing_left(tagged, timeout_s=60.0)
+    assert not (tmp_path / "bench.json").exists()
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .report import cpu_lines, format_table, recovery_lines, settings_lines
@@ -78,7 +79,15 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run_bench(spec_from_args(args), out=args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    # SIGTERM (a `kill`, a CI job's time limit) unwinds as Ctrl-C does, through run.launch's
+    # `finally`: each contender running is stopped with everything it started. By default
+    # it would end this process alone, and the contenders, each in a session of its own,
+    # would train on with their Rays.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        report = run_bench(spec_from_args(args), out=args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     m = report["machine"]
     print(f"{m['cpu']}, {m['cores']} cores; torch {m['torch']}, ray {m['ray']}; "
           f"{report['settings']['workers']} CPU workers, Gloo; medians of "
