@@ -7,7 +7,7 @@ import signal
 import sys
 
 from .report import cpu_lines, format_table, recovery_lines, settings_lines
-from .run import run_bench
+from .run import exit_on_sigterm, run_bench
 from .spec import FSDP_SCENARIOS, SMOKE, BenchSpec
 
 
@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
     # `finally`: each contender running is stopped with everything it started. By default
     # it would end this process alone, and the contenders, each in a session of its own,
     # would train on with their Rays.
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         report = run_bench(spec_from_args(args), out=args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
     finally:

@@ -43,10 +43,16 @@ RUNNERS: dict[str, dict[str, Runner]] = {
 """scenario -> contender -> what its process runs; a scenario runs the contenders it names."""
 
 
+def exit_on_sigterm(*_: Any) -> None:
+    """A SIGTERM handler: exit 143 through every `finally` on the way out, as Ctrl-C does
+    (Python's default ends the process there and then)."""
+    sys.exit(128 + signal.SIGTERM)
+
+
 def contender_main(name: str, spec_json: str, result_path: str) -> int:
     # SIGTERM from the parent (timeout, Ctrl-C) unwinds through the contenders' finally
     # blocks, so the Ray this process started is shut down.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     entered = time.time()  # the interpreter is up and raytrainer imported
     spec = json.loads(spec_json)
     work = Path(result_path).parent / f"{name}-work"
