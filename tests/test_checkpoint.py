@@ -137,6 +137,52 @@ if __name__ == "__main__":
 """
 
 
+class FakeCudart:
+    """torch.cuda.cudart()'s two calls the async writer's pinning makes, with the codes a real
+    runtime answers (712: cudaErrorHostMemoryAlreadyRegistered)."""
+
+    def __init__(self, register_code=0):
+        self.register_code, self.registered, self.unregistered = register_code, [], []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append(ptr)
+        return self.register_code
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_the_async_writers_pinned_buffer_is_unpinned_when_it_dies_and_a_failed_pin_leaves_no_cuda_error(
+        monkeypatch):
+    # On an H100 (the GPU check): a buffer freed while registered made the next CUDA call in the
+    # process fail ("resource already mapped"), and a failed cudaHostRegister stayed as the
+    # runtime's last error, raised by the next kernel launch: a training step failing for a pin
+    # that was only an optimisation. The CUDA side is faked here; the GPU check runs it for real.
+    import gc
+
+    from raytrainer.worker import writer
+
+    cleared = []
+    monkeypatch.setattr(writer, "_clear_cuda_error", lambda: cleared.append(1))
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffer = torch.empty(4096, dtype=torch.uint8).share_memory_()
+    ptr = buffer.data_ptr()
+    assert writer._pin(buffer) is True and cudart.registered == [ptr] and cudart.unregistered == []
+    del buffer
+    gc.collect()
+    assert cudart.unregistered == [ptr] and cleared == []
+
+    cudart = FakeCudart(register_code=712)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffer = torch.empty(4096, dtype=torch.uint8).share_memory_()
+    assert writer._pin(buffer) is False and cleared == [1]
+    del buffer
+    gc.collect()
+    assert cudart.unregistered == []  # nothing was registered, nothing to undo
+
+
 def test_a_writer_dies_with_its_worker_killed_mid_write(tmp_path):
     from .ray_procs import live_processes
 

@@ -121,12 +121,40 @@ def rebuild(buffer: torch.Tensor, layout: Any) -> Any:
 
 
 def _pin(buffer: torch.Tensor) -> bool:
-    """Page-lock the shared buffer for the GPU's copies (cudaHostRegister); False if it cannot."""
+    """Page-lock the shared buffer for the GPU's copies (cudaHostRegister, as torch's own
+    _create_cpu_state_dict does); False if it cannot. The registration ends with the buffer:
+    freed while registered, its pages stay known to the driver, and a later allocation at the
+    same address fails the next CUDA call ("resource already mapped", seen on an H100)."""
     try:
         cudart = torch.cuda.cudart()
-        return int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0
+        ptr = buffer.data_ptr()
+        if int(cudart.cudaHostRegister(ptr, buffer.numel(), 0)) != 0:
+            _clear_cuda_error()
+            return False
     except Exception:  # noqa: BLE001 - an unpinned buffer still works, with a blocking copy
         return False
+    weakref.finalize(buffer, _unpin, ptr)
+    return True
+
+
+def _unpin(ptr: int) -> None:
+    try:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_cuda_error()
+    except Exception:  # noqa: BLE001 - at exit CUDA may be gone before the buffer
+        pass
+
+
+def _clear_cuda_error() -> None:
+    """Consume the error a failed runtime call leaves behind. The CUDA runtime keeps it as the
+    thread's last error, and torch checks that after its next kernel launch: the training step
+    would fail for a pin that was only an optimisation. torch binds no cudaGetLastError; a
+    launch of its own reads it and raises it here, where it is dropped."""
+    try:
+        torch.empty(1, device="cuda").zero_()
+        torch.cuda.current_stream().synchronize()
+    except Exception:  # noqa: BLE001 - the error being cleared
+        pass
 
 
 class ProcessWriter:
