@@ -80,3 +80,15 @@ def test_the_script_exits_0_where_there_is_no_gpu():
     out = subprocess.run(["bash", os.path.join(ROOT, ".ci/gpu.sh")], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHON=sys.executable))
     assert out.returncode == 0 and "nothing was run" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check itself runs the script")
+def test_the_two_rank_nccl_script_gets_its_ranks_started(tmp_path):
+    # Its first version ran with `python -c`: mp.spawn's children could not find `run` in that
+    # __main__, and the check reported an AttributeError as NCCL's answer (seen on an H100).
+    # Without CUDA both ranks start and fail at CUDA, which is as far as this machine goes.
+    script = tmp_path / "two_nccl.py"
+    script.write_text(gpu._TWO_NCCL)
+    out = subprocess.run([sys.executable, str(script), "29517"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Can't get attribute" not in out.stderr, out.stderr[-2000:]
+    assert "CUDA" in out.stderr or "cuda" in out.stderr, out.stderr[-2000:]

@@ -301,8 +301,9 @@ def run(rank):
     torch.cuda.synchronize()
     assert t[0].item() == 3.0, t
     dist.destroy_process_group()
-mp.spawn(run, nprocs=2)
-print("NCCL 2 ranks on one GPU: all_reduce ok")
+if __name__ == "__main__":  # spawn's children import this file
+    mp.spawn(run, nprocs=2)
+    print("NCCL 2 ranks on one GPU: all_reduce ok")
 '''
 
 
@@ -312,9 +313,12 @@ def check_two_ranks_one_gpu(tmp: str) -> Check:
     ok, fig = _fell(result)
     ok = ok and all(r["world_size"] == 2 for r in result.history)
     # What NCCL does with two ranks on one device, in plain torch (a subprocess: a refusal
-    # may hang or abort the process).
+    # may hang or abort the process). A file, not `-c`: mp.spawn's children import `run`
+    # from the parent's __main__, which `-c` does not have.
+    script = Path(tmp) / "two_nccl.py"
+    script.write_text(_TWO_NCCL)
     try:
-        out = subprocess.run([sys.executable, "-c", _TWO_NCCL, str(29_500 + os.getpid() % 1000)],
+        out = subprocess.run([sys.executable, str(script), str(29_500 + os.getpid() % 1000)],
                              capture_output=True, text=True, timeout=60)
         text = (out.stdout + out.stderr).strip()
         nccl = "trains (all_reduce ok)" if out.returncode == 0 else \
