@@ -2,7 +2,7 @@
 # The GPU check: the paths no CPU run exercises (NCCL, CUDA placement, AMP on CUDA with its
 # scaler, FSDP2 on CUDA, a CUDA worker's SIGKILL recovered, the async checkpoint's pinned copy,
 # GPT-2-small bf16 throughput and MFU against a plain torch loop), one table of pass/fail lines
-# with their figures, in about 6 minutes on one GPU (raytrainer/bench/gpu.py; --help lists them).
+# with their figures, in about 3.5 minutes on one H100 (raytrainer/bench/gpu.py; --help lists them).
 # JSON beside it: $OUT/gpu-checks.json where $OUT is set.
 #
 # Without an NVIDIA GPU it says that nothing was run and exits 0. With one it builds a venv

@@ -1,5 +1,5 @@
 """The GPU check (`bash .ci/gpu.sh`, or `python -m raytrainer.bench.gpu`): one command that
-runs, on one CUDA GPU within about 6 minutes, the paths no CPU run exercises, and prints a
+runs, on one CUDA GPU in about 3.5 minutes (an H100), the paths no CPU run exercises, and prints a
 table of pass/fail lines, each with the figure it measured (JSON too: $OUT/gpu-checks.json
 where $OUT is set, or --json PATH).
 
