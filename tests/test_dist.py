@@ -23,6 +23,21 @@ def test_a_new_worker_has_imported_torch_dynamo_before_it_is_asked_to_join(tmp_p
     assert out.stdout.split() == ["False", "True"]
 
 
+def test_a_worker_freezes_what_its_imports_left_to_the_garbage_collector(tmp_path):
+    # ~330,000 objects of torch, dynamo and Ray, walked at each full collection: one took
+    # 0.43 s in the middle of a survivor's re-forming (FSDP, 4 workers, 2-core VM). Frozen, a
+    # collection walks only what the worker made after them.
+    config = {"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
+              "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}}
+    code = ("import gc; from raytrainer.worker.actor import Worker; "
+            f"Worker({config!r}); "
+            "print(gc.get_freeze_count(), len(gc.get_objects()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    frozen, walked = map(int, out.stdout.split())
+    assert frozen > 100_000 and walked < frozen / 10, (frozen, walked)
+
+
 def _rank(rank, ports, results):
     import torch
 
