@@ -5,6 +5,7 @@ its whole run directory where it says, and a Ray the user starts works beside it
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,10 +46,12 @@ def run_cli(args, env):
 
 def test_a_later_run_joins_the_ray_the_first_kept_which_only_raytrainer_finds_and_down_stops(tmp_path):
     folder = short_temp_dir()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     # RAY_TMPDIR: where Ray looks for a Ray that `ray start` left (which a run joins first):
-    # another test's or process's on this machine is not to be found.
-    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder)
+    # another test's or process's on this machine is not to be found. A token, as Ray leaves
+    # in ~/.ray after its first local start: the kept Ray runs with token authentication.
+    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder,
+               RAY_AUTH_TOKEN=secrets.token_hex(32))
     config = tmp_path / "env.yaml"
     config.write_text(yaml.safe_dump({
         "task": {"target": "tests.test_localray:EnvTask", "args": {"path": str(tmp_path / "mark")}},
@@ -58,6 +61,7 @@ def test_a_later_run_joins_the_ray_the_first_kept_which_only_raytrainer_finds_an
         first = run_cli(["train", str(config), "--set", "run.name=first", "--no-progress"], env)
         assert first.returncode == 0, first.stderr[-3000:]
         assert "started a local Ray, kept for the next runs" in first.stderr
+        assert "Token authentication is" not in first.stderr  # Ray's notice, about a Ray raytrainer started
         keeper = json.loads((Path(folder) / "keeper.json").read_text())
         # Nothing records it where Ray looks: a plain ray.init() elsewhere would not join it.
         found = subprocess.run([sys.executable, "-c", "from ray._private import services; "
@@ -69,7 +73,7 @@ def test_a_later_run_joins_the_ray_the_first_kept_which_only_raytrainer_finds_an
         second = run_cli(["train", str(config), "--set", "run.name=second", "--no-progress"],
                          {**env, "RAYTRAINER_TEST_MARK": "second"})
         assert second.returncode == 0, second.stderr[-3000:]
-        assert "started a local Ray" not in second.stderr
+        assert "started a local Ray" not in second.stderr and "Token authentication is" not in second.stderr
         assert json.loads((Path(folder) / "keeper.json").read_text())["pid"] == keeper["pid"]
         marks = {p.read_text() for p in tmp_path.glob("mark.*")}
         assert marks == {"-", "second"}, marks

@@ -131,10 +131,12 @@ def enable_token_auth() -> None:
     a local Ray it starts (ray._private.authentication.authentication_token_setup): a process
     joining the kept local Ray, started with a token by its keeper, does not do it itself.
     Without it: joining a kept Ray that runs with token auth fails with 'Authentication
-    required'."""
+    required'. Quietly: Ray's notice that token authentication is on is about a Ray
+    raytrainer started (the issue of the notice at every run)."""
     from ray._private.authentication import authentication_token_setup as auth
 
-    auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    with quiet_token_auth_notice():
+        auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def draining_nodes() -> dict[str, float | None]:
