@@ -7,6 +7,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
+
 from raytrainer.worker import dist
 
 
@@ -36,6 +39,24 @@ def test_a_worker_freezes_what_its_imports_left_to_the_garbage_collector(tmp_pat
     assert out.returncode == 0, out.stderr
     frozen, walked = map(int, out.stdout.split())
     assert frozen > 100_000 and walked < frozen / 10, (frozen, walked)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_an_nccl_group_forms_its_communicator_on_the_workers_device_at_once(monkeypatch, backend):
+    # device_id: NCCL's communicator forms in the forming (abortable, its failure a
+    # forming's) and a barrier() in your own loop knows its device. Gloo takes none. The
+    # NCCL side is faked here; the GPU check forms one for real.
+    seen = {}
+    monkeypatch.setattr(dist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist.dist, "TCPStore", lambda *a, **k: "store")
+    monkeypatch.setattr(dist.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "_hosted", None)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    dist.init_group(1, 2, "127.0.0.1", 1, backend, 60)
+    assert seen["backend"] == backend and seen["store"] == "store"
+    assert seen["device_id"] == (torch.device("cuda", 0) if backend == "nccl" else None)
 
 
 def _rank(rank, ports, results):

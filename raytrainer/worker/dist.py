@@ -82,7 +82,13 @@ def init_group(rank: int, world_size: int, addr: str, port: int, backend: str, t
         else:  # rank 0 hosts it now if it did not already (callers that skip host_store)
             store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
                                   wait_for_workers=False)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # NCCL: the communicator forms here, in the forming (abortable, a failure in it a
+        # forming's), not in the first collective of a step; and a barrier() in your own
+        # loop knows its device (without it torch warns "barrier(): using the device under
+        # current context": seen in the Lightning example on an H100).
+        device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device_id)
     # What torchrun sets, for code that reads it (your own loop's Hugging Face Trainer,
     # accelerate, Lightning): this group's store is the rendezvous they would have used.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
