@@ -13,31 +13,27 @@ import torch
 from raytrainer.worker import dist
 
 
-def test_a_new_worker_has_imported_torch_dynamo_before_it_is_asked_to_join(tmp_path):
-    # A fresh interpreter: this one may have imported torch._dynamo already.
+def new_worker(tmp_path, before: str, after: str) -> list[str]:
+    """In a fresh interpreter (this one may have imported torch._dynamo already), print
+    `before`, build a Worker, print `after`: the printed words."""
     config = {"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
               "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}}
-    code = ("import sys; from raytrainer.worker.actor import Worker; "
-            "before = 'torch._dynamo' in sys.modules; "
-            f"Worker({config!r}); "
-            "print(before, 'torch._dynamo' in sys.modules)")
+    code = ("import gc, sys; from raytrainer.worker.actor import Worker; "
+            f"before = {before}; Worker({config!r}); print(before, {after})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True"]
+    return out.stdout.split()
+
+
+def test_a_new_worker_has_imported_torch_dynamo_before_it_is_asked_to_join(tmp_path):
+    assert new_worker(tmp_path, "'torch._dynamo' in sys.modules", "'torch._dynamo' in sys.modules") == ["False", "True"]
 
 
 def test_a_worker_freezes_what_its_imports_left_to_the_garbage_collector(tmp_path):
     # ~330,000 objects of torch, dynamo and Ray, walked at each full collection: one took
     # 0.43 s in the middle of a survivor's re-forming (FSDP, 4 workers, 2-core VM). Frozen, a
     # collection walks only what the worker made after them.
-    config = {"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
-              "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}}
-    code = ("import gc; from raytrainer.worker.actor import Worker; "
-            f"Worker({config!r}); "
-            "print(gc.get_freeze_count(), len(gc.get_objects()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    frozen, walked = map(int, out.stdout.split())
+    _, frozen, walked = map(int, new_worker(tmp_path, "0", "gc.get_freeze_count(), len(gc.get_objects())"))
     assert frozen > 100_000 and walked < frozen / 10, (frozen, walked)
 
 
