@@ -256,8 +256,10 @@ def measure_kill(state_mb: float, spares: int, kill_step: int = 6, steps: int = 
 
 
 def steps_main(layers: int, width: int, steps: int) -> int:
-    """Train the model `steps` steps on a thread; print the steps' seconds and the malloc
-    settings this process ran with, as JSON."""
+    """Train the model `steps` steps on a thread; print the steps' seconds, their page faults
+    (memory the step got fresh from the kernel) and the malloc settings this process ran
+    with, as JSON."""
+    import resource
     import threading
 
     import torch
@@ -266,20 +268,21 @@ def steps_main(layers: int, width: int, steps: int) -> int:
     task = StackTask(width, layers)
     model = task.build_model()
     optimizer = task.build_optimizer(model)
-    x, times = torch.randn(8, width), []
+    x, times, faults = torch.randn(8, width), [], []
 
     def train() -> None:
         for _ in range(steps):
-            started = time.perf_counter()
+            started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             optimizer.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
             optimizer.step()
             times.append(time.perf_counter() - started)
+            faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
 
     thread = threading.Thread(target=train)
     thread.start()
     thread.join()
-    print(json.dumps({"step_s": times, "malloc": malloc_settings(os.environ)}))
+    print(json.dumps({"step_s": times, "faults": faults, "malloc": malloc_settings(os.environ)}))
     return 0
 
 
@@ -294,10 +297,12 @@ def measure_malloc(state_mb: float, repeat: int = 3, steps: int = 6, width: int 
             proc = subprocess.run([sys.executable, "-m", "raytrainer.bench.state_size", "_steps", str(layers),
                                    str(width), str(steps)], env=env, capture_output=True, text=True, check=True)
             seen = json.loads(proc.stdout.splitlines()[-1])
-            entry = out.setdefault(way, {"malloc": seen["malloc"], "first_step_s": [], "step_median_s": []})
+            entry = out.setdefault(way, {"malloc": seen["malloc"], "first_step_s": [], "step_median_s": [],
+                                         "faults_per_step": []})
             # Microseconds, not milliseconds: a small model's step rounded to 0 at 3 decimals.
             entry["first_step_s"].append(round(seen["step_s"][0], 6))
             entry["step_median_s"].append(round(statistics.median(seen["step_s"][1:]), 6))
+            entry["faults_per_step"].append(round(statistics.mean(seen["faults"][1:])))  # 4 KB pages, after the first
     out["defaults_over_raytrainer"] = round(statistics.median(out["glibc_defaults"]["step_median_s"])
                                             / statistics.median(out["raytrainer"]["step_median_s"]), 2)
     return out
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "transfer":
         out = measure_transfer(args.state_mb, args.repeat, args.width)
     elif args.what == "malloc":
-        out = measure_malloc(args.state_mb, args.repeat, width=args.width)
+        out = measure_malloc(args.state_mb, args.repeat, args.steps, args.width)
     else:
         out = measure_kill(args.state_mb, args.spares, args.kill_step, args.steps, args.width)
     text = json.dumps(out, indent=1)
