@@ -184,6 +184,9 @@ class Reformed:
     """state_from "peers": the step of the snapshots every worker went back to."""
     peers: dict[int, int] = field(default_factory=dict)
     """state_from "peers": lost rank -> the rank whose copy of its snapshot it took."""
+    secured: Literal["object_store", "copy", "holders"] | None = None
+    """Replicated state: where its second copy was as the group re-formed: the object store
+    (a worker took it from there), the lone holder's copy beside it, or two holders or more."""
 
     @property
     def world_size(self) -> int:

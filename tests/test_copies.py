@@ -190,6 +190,8 @@ def test_the_lone_survivor_killed_too_resumes_from_its_copy_losing_at_most_a_ste
             lone = recovered(run)[-1]
             break
     assert lone is not None, f"no recovery left one worker: {recovered(run)}"
+    # No worker took the state: its second copy is the one it wrote beside it, not the object store's.
+    assert lone["secured"] == "copy", lone
     # It trains on alone, copying its state at every step; kill it too before its replacement joins.
     if steps_alone:
         run.wait_for_step(lone["step"] + steps_alone)

@@ -101,6 +101,17 @@ def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(und
     # fails the op on the reset, seen in CI at load 14): they redo that one step.
     assert all(r["steps_lost"] <= 1 for r in recovered), outline(result.events)
     assert sum(1 for f in of(result.events, "worker_failed") if f["kind"] in ("died", "hung")) == 5
+    # The state is put in the object store for a worker that takes it (a spare, a replacement,
+    # one behind; or a joiner); else two survivors or more are its copies, or one writes its
+    # copy beside it. A kill with no spare up leaves two (the first, or the one right after it).
+    for r in recovered:
+        if r["spares"] or r["replaced"] or r["resynced"]:
+            assert r["secured"] == "object_store", outline(result.events)
+        elif len(r["pids"]) == 1:
+            assert r["secured"] in ("copy", "object_store"), outline(result.events)
+        else:
+            assert r["secured"] in ("holders", "object_store"), outline(result.events)
+    assert any(r["secured"] == "holders" for r in recovered), outline(result.events)
     steps = [r["step"] for r in result.history if "loss" in r]
     # Every step once; a row being reduced as a worker died is lost with it (not the step).
     assert len(set(steps)) == len(steps) >= STEPS - len(recovered) and steps[-1] == STEPS
@@ -117,7 +128,7 @@ def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(und
 
 def outline(events):
     """The run's failures, recoveries and resizes, one short line each (for a failure's message)."""
-    keys = ("step", "rank", "kind", "steps_lost", "state_from", "source_rank", "attempts", "spares", "dropped",
+    keys = ("step", "rank", "kind", "steps_lost", "state_from", "secured", "source_rank", "attempts", "spares", "dropped",
             "old_world_size", "new_world_size", "why")
     return "\n".join(f"{e['event']} " + " ".join(f"{k}={e[k]}" for k in keys if k in e) for e in events
                      if e["event"] in ("worker_failed", "recovered", "resized", "group_formed"))

@@ -95,7 +95,7 @@ class Recovery:
             reformed = ctl._reform(lost, regrow=list(plan.regrow))
             how = {"source_rank": reformed.source, "state_from": reformed.state_from,
                    "resynced": reformed.resynced, "spares": list(plan.spares),
-                   "dropped": reformed.dropped, "replacing": plan.reason}
+                   "dropped": reformed.dropped, "replacing": plan.reason, "secured": reformed.secured}
         else:
             reformed = ctl._reform(lost, peers=True, regrow=list(plan.regrow))
             how = {"state_from": "peers", "snapshot_step": reformed.snapshot_step,

@@ -7,10 +7,11 @@ or never reaches the rendezvous meanwhile is found (`wait_answering`) and killed
 attempt raises ReformFailed for the controller to count and try again.
 
 During a recovery the state to continue from is secured first, in the object store: a
-survivor's state (`take_state`; the worker creates the object, the driver holds its
-reference until the group has formed), or for sharded state the copies of lost ranks' peer
-snapshots (`secure_copies`). A second failure meanwhile, even of every survivor, does not
-lose them.
+survivor's state where a worker is to take it (`take_state`; the worker creates the object,
+the driver holds its reference until the group has formed), or for sharded state the
+copies of lost ranks' peer snapshots (`secure_copies`). A second failure meanwhile, even of
+every survivor, does not lose them. (Where no worker takes it, two holders or more stay,
+or the lone one writes its copy beside it: reforming._secure.)
 """
 
 from __future__ import annotations
@@ -76,10 +77,7 @@ class Forming:
         # The size answers; the state stays in the object store (owned here, never fetched
         # here) for the workers that take it.
         size, ref = self.roster.actors[source].get_state.options(num_returns=2).remote()
-        _, failures, _ = self.wait_answering({size: source}, grace_s=0.0)
-        if failures:
-            self.kill(source)
-            raise ReformFailed(failures, [source])
+        self.answer(source, size)
         self.secured = (at, ref)
         return source, ref, at
 
@@ -88,13 +86,19 @@ class Forming:
         (the state stays in the object store, never fetched here). CheckpointCorrupt if it
         does not match its manifest; ReformFailed if rank 0 is lost meanwhile."""
         why, state = self.roster.actors[0].read_checkpoint.options(num_returns=2).remote(ref)
-        answers, failures, _ = self.wait_answering({why: 0}, grace_s=0.0)
-        if failures:
-            self.kill(0)
-            raise ReformFailed(failures, [0])
-        if answers[0] is not None:
-            raise CheckpointCorrupt(ref.name, answers[0])
+        why = self.answer(0, why)
+        if why is not None:
+            raise CheckpointCorrupt(ref.name, why)
         return state
+
+    def answer(self, rank: int, ref: Any) -> Any:
+        """What rank `rank`'s call `ref` returns, waited for with the hang check; a rank
+        lost meanwhile is killed and a ReformFailed."""
+        answers, failures, _ = self.wait_answering({ref: rank}, grace_s=0.0)
+        if failures:
+            self.kill(rank)
+            raise ReformFailed(failures, [rank])
+        return answers[rank]
 
     def secure_copies(self, step: int, world: int, others: list[int],
                       held: dict[int, Holdings]) -> tuple[dict[int, Any], dict[int, int]]:

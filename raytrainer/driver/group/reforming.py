@@ -23,7 +23,7 @@ import ray
 
 from ...contract import Holdings, Node, ReformFailed, Reformed, Reshard, Snapshot, Status
 from ...errors import NoSurvivors, PlacementError
-from ..policy import choose_snapshot
+from ..policy import choose_snapshot, choose_source
 from .actors import resources_text, start_worker
 from .slots import Joiner
 
@@ -53,23 +53,34 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
     others = [r for r in range(world) if r not in dead and r not in starting]
     regrow = [r for r in regrow if r in dead] if others else []  # someone must go on
     asked = _replace(group, dead, regrow)
+    waited = [r for r in dead if r not in regrow] + starting
     try:
         answers = group.forming.answers(others, "status")
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
-        source, state_ref, at = _take_state(group, holders, leave)
+        # Secured at once where workers leave (it must outlive them), a worker is to take it
+        # (a replacement, waited for: a holder may be lost meanwhile; a joiner) or no survivor
+        # holds it; else once it is known who stays (_secure).
+        early = leave or waited or not holders or group.slots.ready_joiners(take=False)
+        secured = (*_take_state(group, holders, leave), "object_store") if early else None
     except ReformFailed as exc:
         raise _before_renumbering(exc, regrow, world) from None
     moved = _leave(group, leave)  # the state is secured: they go, for their replacements if up
     staying = len(others) - len(leave) + len(moved)
-    waited = [r for r in dead if r not in regrow] + starting
     placed = group.slots.wait_placed(roster, waited, staying + len(group.slots.ready_joiners(take=False)), asked)
     group._starting = []
     for rank in dead + starting:
         if rank not in placed:  # its slot stays reserved: it may join later
             ray.kill(roster.actors[rank], no_restart=True)
-    joiners = group.slots.ready_joiners(take=True)
     placed.update(moved)
     keep = [r for r in range(world) if r in placed or (r not in dead and r not in starting and r not in leave)]
+    if secured is None:
+        try:
+            secured = _secure(group, holders, keep)
+        except ReformFailed as exc:
+            raise _before_renumbering(exc, regrow, world) from None
+    source, state_ref, at, secured_in = secured
+    # Joiners take the state where it was secured for them; one up since waits for a resize.
+    joiners = group.slots.ready_joiners(take=True) if state_ref is not None else []
     _renumber(group, keep, placed, joiners, leave)
     # Below min_workers only for lack of a replacement waited for; ranks left behind to
     # regrow are the controller's to bound (scaling.placement_timeout_s).
@@ -98,7 +109,27 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
                     replaced=sorted(r for r in placed if r in dead or r in starting),
                     dropped=dropped, moved=sorted(moved),
                     added=len(joiners),
-                    resynced=[r for r in holders if holders[r].position != at.position])
+                    resynced=[r for r in holders if holders[r].position != at.position], secured=secured_in)
+
+
+def _secure(group: RayWorkerGroup, holders: dict[int, Status], keep: list[int]) -> tuple[int | None, Any, Status, str]:
+    """The state the group continues from (no newcomer takes it), where a second failure
+    now would not lose it, and where that is (Reformed.secured): in the object store
+    (_take_state) where a holder behind takes it; else with one holder left, in its copy
+    beside it, written now (copies.py); else nowhere more, two holders or more staying
+    holding it (a state reference of None)."""
+    forming = group.forming
+    source = choose_source(holders)
+    at = holders[source]
+    staying = [r for r in keep if r in holders]
+    if forming.secured is not None or any(holders[r].position != at.position for r in staying):
+        return *_take_state(group, holders, []), "object_store"
+    if len(staying) > 1 or not group.copies.wanted:
+        return source, None, at, "holders"
+    node = group.roster.nodes[source].node_id
+    if forming.answer(source, group.copies.copy_now(group.roster.actors[source], node)) is None:
+        return *_take_state(group, holders, []), "object_store"  # no room for the copy
+    return source, None, at, "copy"
 
 
 def _take_state(group: RayWorkerGroup, holders: dict[int, Status], leave: list[int]) -> tuple[int | None, Any, Status]:
