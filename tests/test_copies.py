@@ -151,6 +151,41 @@ def test_the_driver_tells_a_lone_holder_which_step_its_recovery_secured():
     assert lone.calls[-1] == (None,) and kept.holder is None and kept.secured is None
 
 
+def test_a_re_form_puts_the_state_in_the_object_store_only_for_a_worker_that_takes_it():
+    """reforming._secure, where no newcomer takes the state: two holders at the same step are
+    its copies; one behind takes it from the object store; a lone holder writes its copy
+    beside it, and where it has no room for one the object store holds it."""
+    from types import SimpleNamespace
+
+    from raytrainer.contract import Node, Status
+    from raytrainer.driver.group.reforming import _secure
+
+    def group(written=7, secured=None):
+        calls = []
+        forming = SimpleNamespace(
+            secured=secured, answer=lambda rank, ref: (calls.append(("answer", rank, ref)), written)[1],
+            take_state=lambda holders, avoid=(): (calls.append(("put",)), (1, "ref", holders[1]))[1])
+        copies = SimpleNamespace(wanted=True, copy_now=lambda actor, node: (calls.append(("copy", actor, node)),
+                                                                            "copying")[1])
+        roster = SimpleNamespace(actors=["a0", "a1", "a2"], nodes=[Node(node_id=f"n{i}", ip="127.0.0.1") for i in range(3)])
+        return SimpleNamespace(forming=forming, copies=copies, roster=roster), calls
+
+    at = Status(step=7, progress=0, phase="train")
+    two, calls = group()
+    assert _secure(two, {0: at, 1: at}, keep=[0, 1])[1:] == (None, at, "holders") and calls == []
+    behind, calls = group()
+    ahead = Status(step=8, progress=0, phase="train")
+    assert _secure(behind, {0: at, 1: ahead}, keep=[0, 1])[1:] == ("ref", ahead, "object_store")
+    assert calls == [("put",)]
+    lone, calls = group()
+    assert _secure(lone, {1: at}, keep=[1]) == (1, None, at, "copy")
+    assert calls == [("copy", "a1", "n1"), ("answer", 1, "copying")]
+    full, calls = group(written=None)  # no room in /dev/shm nor the temp dir
+    assert _secure(full, {1: at}, keep=[1])[1:] == ("ref", at, "object_store") and calls[-1] == ("put",)
+    earlier, calls = group(secured=(at, "ref0"))  # an earlier attempt of this recovery secured it
+    assert _secure(earlier, {0: at, 1: at}, keep=[0, 1])[3] == "object_store" and calls == [("put",)]
+
+
 # ---------------------------------------------------------------------------- from outside
 
 

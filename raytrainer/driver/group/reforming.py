@@ -112,7 +112,8 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
                     resynced=[r for r in holders if holders[r].position != at.position], secured=secured_in)
 
 
-def _secure(group: RayWorkerGroup, holders: dict[int, Status], keep: list[int]) -> tuple[int | None, Any, Status, str]:
+def _secure(group: RayWorkerGroup, holders: dict[int, Status],
+            keep: list[int]) -> tuple[int | None, Any, Status, str | None]:
     """The state the group continues from (no newcomer takes it), where a second failure
     now would not lose it, and where that is (Reformed.secured): in the object store
     (_take_state) where a holder behind takes it; else with one holder left, in its copy
@@ -124,8 +125,10 @@ def _secure(group: RayWorkerGroup, holders: dict[int, Status], keep: list[int]) 
     staying = [r for r in keep if r in holders]
     if forming.secured is not None or any(holders[r].position != at.position for r in staying):
         return *_take_state(group, holders, []), "object_store"
-    if len(staying) > 1 or not group.copies.wanted:
+    if len(staying) > 1:
         return source, None, at, "holders"
+    if not group.copies.wanted:  # a run of one worker by choice has no second copy (copies.py)
+        return source, None, at, None
     node = group.roster.nodes[source].node_id
     if forming.answer(source, group.copies.copy_now(group.roster.actors[source], node)) is None:
         return *_take_state(group, holders, []), "object_store"  # no room for the copy
