@@ -49,7 +49,12 @@ def test_an_nccl_group_forms_its_communicator_on_the_workers_device_at_once(monk
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dist, "_hosted", None)
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # Set, then deleted: undone at the end, the values init_group sets go too. (A delenv
+        # of an unset key records nothing to undo: RANK=1, WORLD_SIZE=2 and MASTER_PORT=1 were
+        # left in the session, and a later module's Hugging Face Trainer in this process
+        # waited for ever on that rendezvous.)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     dist.init_group(1, 2, "127.0.0.1", 1, backend, 60)
     assert seen["backend"] == backend and seen["store"] == "store"
     assert seen["device_id"] == (torch.device("cuda", 0) if backend == "nccl" else None)
