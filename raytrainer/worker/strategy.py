@@ -305,11 +305,11 @@ def _allreduce_carrying(carrier, bucket):
 
         return torch.futures.collect_all([grads, metrics]).then(both)
     size = buffer.numel()
-    joined = carrier.joined(buffer, extra)
+    joined = torch.cat([buffer, extra])
 
     def split(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
-        carrier.reduced = reduced[size:].clone()  # the joined buffer is the next step's too
+        carrier.reduced = reduced[size:]
         return reduced[:size]
 
     return carrier.all_reduce(joined).then(split)

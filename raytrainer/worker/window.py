@@ -58,7 +58,6 @@ class Carrier:
         self.scale = 1.0 / group.size() if group is not None else 1.0  # hookless DDP's 1 / world size
         # The flags, each made once: no host-to-device copy per step on a GPU.
         self._flags: dict[float, torch.Tensor] = {}
-        self._joined: torch.Tensor | None = None
 
     def send(self, values: torch.Tensor, pause_requested: bool, save_requested: bool = False,
              world_size: int = 1) -> None:
@@ -67,21 +66,6 @@ class Carrier:
             self._flags[flag] = torch.full((1,), flag, device=self.device)
         self.outgoing = torch.cat([values, self._flags[flag]])
         self.reduced = None
-
-    def joined(self, buffer: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-        """`buffer` (the last gradient bucket) and `extra` (the metrics) back to back, in a
-        tensor kept from step to step. A new one each step (torch.cat) was a bucket-sized
-        block allocated and freed among the gradients', and glibc's aligned allocations
-        (torch's: a request asks for the alignment's worth more than its size, so a freed
-        block never serves the next request of its own size alone) then left the freed
-        gradients where the next step's did not fit: with 2 GB of state, 0.3-0.5 million
-        fresh pages over 11 steps of 2 ranks, against 0.07-0.2 million (docs/benchmarks.md)."""
-        n = buffer.numel() + extra.numel()
-        if self._joined is None or self._joined.numel() != n or self._joined.dtype != buffer.dtype:
-            self._joined = buffer.new_empty(n)
-        self._joined[:buffer.numel()].copy_(buffer)
-        self._joined[buffer.numel():].copy_(extra)
-        return self._joined
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum `tensor` over the group in place; the future of [tensor]."""
