@@ -32,8 +32,8 @@ def _train(rank, world, how, **trainer):
 def test_carried_metrics_match_a_window_reduction_and_leave_the_weights_bit_identical(nonfinite):
     """Accumulation (2 micro-batches a rank), a window of 3 steps, clipping (a norm that
     needs no reduction): the same rows, and weights equal to the bit. With the non-finite
-    check off, the window holds each step's carried sums as they came, on the device (the
-    joined buffer they came in is the next step's)."""
+    check off, the window holds each step's carried sums as they came, on the device, until
+    its flush: each step's must be its own, not a view of memory a later step reuses."""
     trainer = dict(micro_batch_size=4, log_every_n_steps=3, grad_clip_norm=0.5, nonfinite=nonfinite)
     (weights, rows, carried), (none, others, _) = run_ranks(_train, 2, "carried", **trainer)
     (reference, expected, hooked), _ = run_ranks(_train, 2, "hookless", **trainer)
