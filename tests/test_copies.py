@@ -153,8 +153,9 @@ def test_the_driver_tells_a_lone_holder_which_step_its_recovery_secured():
 
 def test_a_re_form_puts_the_state_in_the_object_store_only_for_a_worker_that_takes_it():
     """reforming._secure, where no newcomer takes the state: two holders at the same step are
-    its copies; one behind takes it from the object store; a lone holder writes its copy
-    beside it, and where it has no room for one the object store holds it."""
+    its copies; one behind, or a kept worker holding none, takes it from the object store; a
+    lone holder writes its copy beside it, and where it has no room for one the object store
+    holds it."""
     from types import SimpleNamespace
 
     from raytrainer.contract import Node, Status
@@ -182,6 +183,8 @@ def test_a_re_form_puts_the_state_in_the_object_store_only_for_a_worker_that_tak
     assert calls == [("copy", "a1", "n1"), ("answer", 1, "copying")]
     full, calls = group(written=None)  # no room in /dev/shm nor the temp dir
     assert _secure(full, {1: at}, keep=[1])[1:] == ("ref", at, "object_store") and calls[-1] == ("put",)
+    fresh, calls = group()  # rank 2, kept, holds no state yet (a replacement an earlier attempt started)
+    assert _secure(fresh, {0: at, 1: at}, keep=[0, 1, 2])[3] == "object_store" and calls == [("put",)]
     earlier, calls = group(secured=(at, "ref0"))  # an earlier attempt of this recovery secured it
     assert _secure(earlier, {0: at, 1: at}, keep=[0, 1])[3] == "object_store" and calls == [("put",)]
 

@@ -116,14 +116,17 @@ def _secure(group: RayWorkerGroup, holders: dict[int, Status],
             keep: list[int]) -> tuple[int | None, Any, Status, str | None]:
     """The state the group continues from (no newcomer takes it), where a second failure
     now would not lose it, and where that is (Reformed.secured): in the object store
-    (_take_state) where a holder behind takes it; else with one holder left, in its copy
-    beside it, written now (copies.py); else nowhere more, two holders or more staying
-    holding it (a state reference of None)."""
+    (_take_state) where a kept worker holding none, or one behind, takes it; else with one
+    holder left, in its copy beside it, written now (copies.py); else nowhere more, two
+    holders or more staying holding it (a state reference of None)."""
     forming = group.forming
     source = choose_source(holders)
     at = holders[source]
     staying = [r for r in keep if r in holders]
-    if forming.secured is not None or any(holders[r].position != at.position for r in staying):
+    # A kept worker that holds no state (a replacement started by an earlier attempt, still
+    # to set up) or one behind takes it; so does every worker where an attempt secured it.
+    takers = len(staying) < len(keep) or any(holders[r].position != at.position for r in staying)
+    if forming.secured is not None or takers:
         return *_take_state(group, holders, []), "object_store"
     if len(staying) > 1:
         return source, None, at, "holders"
