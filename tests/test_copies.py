@@ -168,7 +168,8 @@ def test_a_re_form_puts_the_state_in_the_object_store_only_for_a_worker_that_tak
             take_state=lambda holders, avoid=(): (calls.append(("put",)), (1, "ref", holders[1]))[1])
         copies = SimpleNamespace(wanted=True, copy_now=lambda actor, node: (calls.append(("copy", actor, node)),
                                                                             "copying")[1])
-        roster = SimpleNamespace(actors=["a0", "a1", "a2"], nodes=[Node(node_id=f"n{i}", ip="127.0.0.1") for i in range(3)])
+        roster = SimpleNamespace(actors=["a0", "a1", "a2"],
+                                 nodes=[Node(node_id=f"n{i}", ip="127.0.0.1") for i in range(3)])
         return SimpleNamespace(forming=forming, copies=copies, roster=roster), calls
 
     at = Status(step=7, progress=0, phase="train")

@@ -128,8 +128,8 @@ def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(und
 
 def outline(events):
     """The run's failures, recoveries and resizes, one short line each (for a failure's message)."""
-    keys = ("step", "rank", "kind", "steps_lost", "state_from", "secured", "source_rank", "attempts", "spares", "dropped",
-            "old_world_size", "new_world_size", "why")
+    keys = ("step", "rank", "kind", "steps_lost", "state_from", "secured", "source_rank", "attempts", "spares",
+            "dropped", "old_world_size", "new_world_size", "why")
     return "\n".join(f"{e['event']} " + " ".join(f"{k}={e[k]}" for k in keys if k in e) for e in events
                      if e["event"] in ("worker_failed", "recovered", "resized", "group_formed"))
 
