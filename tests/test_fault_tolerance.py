@@ -14,7 +14,8 @@ import raytrainer
 from raytrainer.contract import Status
 from raytrainer.errors import ConfigError, TaskError, WorkerError
 from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, Replacing, blame, choose_source,
-                                      choose_state, keep_waiting_for_placement, replacing)
+                                      choose_state, keep_waiting_for_placement, replacing, secure_at_once,
+                                      secure_where)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
 from .faults import kill
@@ -306,6 +307,26 @@ def test_a_state_kept_from_an_earlier_attempt_serves_unless_a_survivor_is_furthe
     assert choose_state({0: at5}, at6) == (None, False)  # its giver is gone: the kept copy
     assert choose_state({0: at6}, at5) == (0, True)
     assert choose_state({}, at5) == (None, False) and choose_state({}, None) == (None, False)
+
+
+def test_a_re_form_secures_the_state_in_the_object_store_only_for_a_worker_that_takes_it():
+    at, ahead = Status(7, 0, "train"), Status(8, 0, "train")
+    quiet = dict(leaving=False, waited=False, joiners=False, holders=True)
+    assert not secure_at_once(**quiet)
+    for why in ("leaving", "waited", "joiners"):  # before a holder may be lost meanwhile
+        assert secure_at_once(**{**quiet, why: True})
+    assert secure_at_once(**{**quiet, "holders": False})  # from a copy: it is the only one
+
+    def where(holders, keep, secured_before=False, copies_wanted=True):
+        return secure_where(holders, keep, secured_before=secured_before, copies_wanted=copies_wanted)
+
+    assert where({0: at, 1: at}, [0, 1]) == "holders"
+    assert where({0: at, 1: at, 2: at}, [0, 2]) == "holders"  # rank 1 does not stay
+    assert where({0: at, 1: ahead}, [0, 1]) == "object_store"  # rank 0 is behind
+    assert where({0: at, 1: at}, [0, 1, 2]) == "object_store"  # rank 2 holds none yet
+    assert where({0: at, 1: at}, [0, 1], secured_before=True) == "object_store"
+    assert where({1: at}, [1]) == "copy" and where({0: at, 1: at}, [1]) == "copy"
+    assert where({1: at}, [1], copies_wanted=False) is None  # one worker by choice
 
 
 def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():

@@ -16,7 +16,8 @@ from ..errors import RaytrainerError, WorkerError
 
 __all__ = ["BUSY_SHARE", "Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing",
            "blame", "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
-           "leave_draining_nodes", "poll_wait", "progressed", "replacing", "root_causes"]
+           "leave_draining_nodes", "poll_wait", "progressed", "replacing", "root_causes", "secure_at_once",
+           "secure_where"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,35 @@ def choose_state(holders: dict[int, Status], kept: Status | None,
     if kept is not None and (source is None or kept.position >= holders[source].position):
         return (source if source is not None and holders[source].position == kept.position else None), False
     return source, source is not None
+
+
+def secure_at_once(*, leaving: bool, waited: bool, joiners: bool, holders: bool) -> bool:
+    """Whether a re-form puts the state it continues from in the object store before it
+    knows who stays: where workers leave (it must outlive them), a replacement waited for
+    or a joiner is to take it (a holder may be lost while they come), or no survivor holds
+    it (it comes from a copy). Otherwise secure_where decides once it is known."""
+    return leaving or waited or joiners or not holders
+
+
+def secure_where(holders: dict[int, Status], keep: Iterable[int], *, secured_before: bool,
+                 copies_wanted: bool) -> str | None:
+    """Where a re-form that nobody new joins keeps a second copy of the state it continues
+    from, so that a failure right after it loses nothing (Reformed.secured), given the
+    survivors holding a state and the old ranks that stay (`keep`): "object_store" (put
+    there) where a kept worker holds no state (a replacement an earlier attempt started),
+    one is behind, or an earlier attempt of this recovery put it there (every worker takes
+    it then); else "holders" where two holders or more stay (they are the copies); else
+    "copy" (the lone holder writes its copy beside it, worker/copies.py); None for a run of
+    one worker by choice, which keeps no second copy."""
+    keep = list(keep)
+    at = holders[choose_source(holders)].position
+    staying = [r for r in keep if r in holders]
+    takers = len(staying) < len(keep) or any(holders[r].position != at for r in staying)
+    if secured_before or takers:
+        return "object_store"
+    if len(staying) > 1:
+        return "holders"
+    return "copy" if copies_wanted else None
 
 
 def choose_snapshot(world: int, lost: Iterable[int], held: dict[int, Holdings],

@@ -23,7 +23,7 @@ import ray
 
 from ...contract import Holdings, Node, ReformFailed, Reformed, Reshard, Snapshot, Status
 from ...errors import NoSurvivors, PlacementError
-from ..policy import choose_snapshot, choose_source
+from ..policy import choose_snapshot, choose_source, secure_at_once, secure_where
 from .actors import resources_text, start_worker
 from .slots import Joiner
 
@@ -57,10 +57,8 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
     try:
         answers = group.forming.answers(others, "status")
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
-        # Secured at once where workers leave (it must outlive them), a worker is to take it
-        # (a replacement, waited for: a holder may be lost meanwhile; a joiner) or no survivor
-        # holds it; else once it is known who stays (_secure).
-        early = leave or waited or not holders or group.slots.ready_joiners(take=False)
+        early = secure_at_once(leaving=bool(leave), waited=bool(waited), holders=bool(holders),
+                               joiners=bool(group.slots.ready_joiners(take=False)))
         secured = (*_take_state(group, holders, leave), "object_store") if early else None
     except ReformFailed as exc:
         raise _before_renumbering(exc, regrow, world) from None
@@ -114,28 +112,20 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
 
 def _secure(group: RayWorkerGroup, holders: dict[int, Status],
             keep: list[int]) -> tuple[int | None, Any, Status, str | None]:
-    """The state the group continues from (no newcomer takes it), where a second failure
-    now would not lose it, and where that is (Reformed.secured): in the object store
-    (_take_state) where a kept worker holding none, or one behind, takes it; else with one
-    holder left, in its copy beside it, written now (copies.py); else nowhere more, two
-    holders or more staying holding it (a state reference of None)."""
+    """The state the group continues from (no newcomer takes it), secured where
+    policy.secure_where says: in the object store (_take_state), in the lone holder's copy
+    written now (copies.py; the object store where it has no room), or nowhere more."""
     forming = group.forming
+    where = secure_where(holders, keep, secured_before=forming.secured is not None,
+                         copies_wanted=group.copies.wanted)
     source = choose_source(holders)
-    at = holders[source]
-    staying = [r for r in keep if r in holders]
-    # A kept worker that holds no state (a replacement started by an earlier attempt, still
-    # to set up) or one behind takes it; so does every worker where an attempt secured it.
-    takers = len(staying) < len(keep) or any(holders[r].position != at.position for r in staying)
-    if forming.secured is not None or takers:
-        return *_take_state(group, holders, []), "object_store"
-    if len(staying) > 1:
-        return source, None, at, "holders"
-    if not group.copies.wanted:  # a run of one worker by choice has no second copy (copies.py)
-        return source, None, at, None
-    node = group.roster.nodes[source].node_id
-    if forming.answer(source, group.copies.copy_now(group.roster.actors[source], node)) is None:
-        return *_take_state(group, holders, []), "object_store"  # no room for the copy
-    return source, None, at, "copy"
+    if where == "copy":
+        node = group.roster.nodes[source].node_id
+        if forming.answer(source, group.copies.copy_now(group.roster.actors[source], node)) is None:
+            where = "object_store"  # no room for the copy
+    if where == "object_store":
+        return *_take_state(group, holders, []), where
+    return source, None, holders[source], where
 
 
 def _take_state(group: RayWorkerGroup, holders: dict[int, Status], leave: list[int]) -> tuple[int | None, Any, Status]:
