@@ -17,7 +17,7 @@ import yaml
 
 from raytrainer.driver import localray
 
-from .ray_procs import free_port, processes_under, short_temp_dir, token_env, wait_gone
+from .ray_procs import free_port, live_processes, processes_under, short_temp_dir, token_env, wait_gone
 from .tasks import RegressionTask
 from .waits import Deadline
 
@@ -292,6 +292,13 @@ def test_status_says_what_is_kept_and_down_stops_every_kept_ray(kept, tmp_path):
     assert theirs.returncode == 0, theirs.stderr[-3000:]
     keepers = [json.loads(p.read_text()) for p in sorted(Path(kept["TMPDIR"]).glob("raytrainer-*/keeper.json"))]
     assert len(keepers) == 2
+    # No idle Ray workers started for a keeper (the first driver, which never makes an actor):
+    # Ray's default would start one per CPU, now, and kill them as the first run's start.
+    raylets = [pid for pid in processes_under(kept["TMPDIR"]) if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(raylets) == 2
+    idle = [cmd[:60] for pid, ppid, cmd in live_processes() if ppid in raylets
+            and (cmd.startswith(b"ray::IDLE") or b"default_worker" in cmd)]
+    assert idle == []
 
     status = cli(["status"], tmp_path, kept)
     assert status.returncode == 0, status.stderr

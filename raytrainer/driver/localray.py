@@ -79,6 +79,15 @@ RAY_SETTINGS = {
 it starts); a variable already set in the environment wins. A cluster started with `ray
 start` runs with what it was started with: the same variables, set for `ray start`."""
 
+KEEPER_SETTINGS = {
+    # No idle workers started for the first driver: the keeper is that driver, and it never
+    # makes an actor. Ray starts one per CPU as the keeper connects and kills them idle as
+    # the first run's workers start, each having imported Ray on the cores that run needs.
+    # (A Ray per run keeps them: its first workers are those processes.)
+    "RAY_prestart_worker_first_driver": "0",
+}
+"""What a kept local Ray runs with besides RAY_SETTINGS."""
+
 KEEP_ENV = "RAYTRAINER_KEEP_RAY"
 DIR_ENV = "RAYTRAINER_RAY_DIR"
 DEFAULT_KEEP_MINUTES = 10.0
@@ -282,7 +291,7 @@ def _start_keeper(folder: Path, minutes: float) -> dict[str, Any] | None:
 
     (folder / "keeper.json").unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update({k: v for k, v in RAY_SETTINGS.items() if k not in env})
+    env.update({k: v for k, v in {**RAY_SETTINGS, **KEEPER_SETTINGS}.items() if k not in env})
     # It works in its folder, not in the user's directory (which it would hold for as long as
     # it lives, and which is no later run's): raytrainer is imported from where this process
     # imports it, which may be that directory (a source checkout, not installed).
