@@ -124,10 +124,10 @@ def cluster_with(cluster, nodes: int):
 
 def _order(item) -> int:
     if item.path.name == "test_bench.py" and os.environ.get("PYTEST_XDIST_WORKER"):
-        # Beside another session (-n 2) the bench, the longest module by far (6 minutes),
-        # goes first and the other session's modules fill the time around it. Measured no
-        # faster than last (11 min 16 s against 11 min 14 s), but the run's end never waits
-        # on it alone, however long it grows.
+        # Beside another session (-n 2) the bench, the longest module by far (10 to 11
+        # minutes of test time, 2026-11-27), goes first and the other session's modules fill
+        # the time around it. Measured no faster than last (11 min 16 s against 11 min 14 s),
+        # but the run's end never waits on it alone, however long it grows.
         return -1
     if item.path.name in SUBPROCESS_MODULES:
         return 3
