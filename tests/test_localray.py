@@ -293,10 +293,11 @@ def test_status_says_what_is_kept_and_down_stops_every_kept_ray(kept, tmp_path):
     keepers = [json.loads(p.read_text()) for p in sorted(Path(kept["TMPDIR"]).glob("raytrainer-*/keeper.json"))]
     assert len(keepers) == 2
     # No idle Ray workers started for a keeper (the first driver, which never makes an actor):
-    # Ray's default would start one per CPU, now, and kill them as the first run's start.
-    raylets = [pid for pid in processes_under(kept["TMPDIR"]) if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    # Ray's default would start one per CPU, now, and kill them as the first run's workers start.
+    procs = list(live_processes())
+    raylets = {pid for pid, _, cmd in procs if kept["TMPDIR"].encode() in cmd and b"/raylet/raylet" in cmd}
     assert len(raylets) == 2
-    idle = [cmd[:60] for pid, ppid, cmd in live_processes() if ppid in raylets
+    idle = [cmd[:60] for _, ppid, cmd in procs if ppid in raylets
             and (cmd.startswith(b"ray::IDLE") or b"default_worker" in cmd)]
     assert idle == []
 
