@@ -240,7 +240,7 @@ def measure_kill(state_mb: float, spares: int, kill_step: int = 6, steps: int = 
     before_s = sorted(b - a for a, b in zip(before, before[1:]))
     return {
         "state_bytes": state_bytes(layers, width), "layers": layers, "width": width, "warm_spares": spares,
-        "kill_to_failed_event_s": round(failed["time"] - killed_at, 3),
+        "kill_to_failed_event_s": round(failed["time"] - killed_at, 3), "failed_cause": failed["cause"],
         "recovered_s": rec["seconds"], "steps_lost": rec["steps_lost"], "state_from": rec.get("state_from"),
         "spares": rec.get("spares"), "dropped": rec.get("dropped"),
         "kill_to_next_step_s": round(after["time"] - killed_at, 3),
