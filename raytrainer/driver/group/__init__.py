@@ -9,7 +9,7 @@ a fake one without a cluster. This one is split by concern:
     drains    nodes being drained, and replacements for the workers on them
     forming   forming the process group, its hang checks, the state workers continue from
     copies    the second copy of a lone survivor's state
-    exits     workers on the driver's node found dead by their process, before Ray says so
+    exits     workers on the driver's node found dead by their process, not only once Ray says so
     reforming the re-forms after a failure, a pause or a drain: from a survivor's state,
               or from peer snapshots
 
@@ -53,7 +53,7 @@ class RayWorkerGroup:
         self.spares = WarmSpares(config, 0 if use_gpu else config.failure.warm_spares)
         self.forming = Forming(config, self.roster, self.kill)
         self.copies = KeptCopies(config)  # a lone survivor's second copy of the state
-        self.exits = ExitWatch(self._abort_all_but)
+        self.exits = ExitWatch()
         self._runs: list[Any] = []
         self._pending: list[Any] = []
         self._finished: dict[int, RunEnd] = {}
@@ -118,7 +118,7 @@ class RayWorkerGroup:
         if ready and self._pending:  # whatever else has ended too, without waiting
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
-        exited = self.exits.exited()  # found by their process; the others' collectives aborted
+        exited = self.exits.exited()  # found by their process (exits.py)
         poll = Poll(*self._drain(timeout=0.0 if 0 in exited else 1.0))
         self._stepped |= any("step" in row for row in poll.rows)
         if self._stepped and not self.slots.starting():  # once training runs (spares.py)
@@ -193,10 +193,6 @@ class RayWorkerGroup:
         (2.6 s in the bench's node run), and the others stop by themselves meanwhile."""
         for rank in ranks:
             control(self.roster.actors[rank], "abort").remote()
-
-    def _abort_all_but(self, rank: int) -> None:
-        """The watch of exits found `rank`'s process exited: its peers stop now."""
-        self.abort([r for r in range(len(self.roster.actors)) if r != rank])
 
     def kill(self, rank: int) -> None:
         actors.kill(self.roster, rank)

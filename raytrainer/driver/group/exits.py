@@ -1,83 +1,57 @@
-"""Workers on the driver's node found dead by their process, before Ray says so.
+"""Workers on the driver's node found dead by their process, not only once Ray says so.
 
-Ray holds an actor dead once its process is gone, after its last thread has exited; for a
-process of gigabytes that is after the kernel has freed its memory (2 GB of training state:
-0.2-0.5 s on the 2-core VM; a GPU process's teardown takes longer), and its peers'
-collectives fail only then too, as its sockets close last. Its main thread is a zombie
-within milliseconds of the SIGKILL, with the signal as its exit code. So a thread reads the
-state of the group's workers on this node from /proc every PERIOD_S while the group trains;
-on an exit it has the others' collectives aborted (they stop at once, holding their state)
-and the driver's next poll reports the rank dead, with the signal.
+Ray holds an actor dead once its raylet has seen the process end; a raylet starved of CPU
+on a loaded node, or stopped, says so late or not at all, and the recovery would wait for
+it (Recovery.settle: a worker that does not answer is taken for dead only after its
+peers have stopped and two of its control calls went unanswered, 1-1.5 s). The process
+itself tells sooner: read from /proc at each of the driver's polls, a worker process that
+is gone, or whose main thread is a zombie with an exit status, is dead, and the signal or
+the status is its cause (`killed by SIGKILL: ...`).
 
 A worker is watched only where its node is the driver's and the process under its pid
 started when the worker said it did (Node.started): the same process, seen through the
 same /proc. A main thread exited with status 0 may be its own (pthread_exit) while the
 process lives on: that one is left to Ray.
+
+Nothing is read between polls. A thread that read every 50 ms and had the survivors
+aborted at once was tried: at 2 GB of state it halved the kill-to-`worker_failed` time,
+but the kill to the next step did not move beyond its spread, and a run of your own loop
+with a Lightning Trainer then diverged from an undisturbed one after its recovery in 3 of
+11 kills (0 of 11 without it; tests/test_frameworks.py), for a reason not found
+(docs/benchmarks.md, "A death found from the process").
 """
 
 from __future__ import annotations
 
 import signal
-import threading
-import time
-from collections.abc import Callable
 
 from ...contract import Node, proc_stat
-
 
 GONE = "it no longer exists"
 
 
 class ExitWatch:
-    PERIOD_S = 0.05
-
-    def __init__(self, on_exit: Callable[[int], None]):
-        """`on_exit(rank)`: called from the watching thread, under its lock, as a watched
-        worker is found exited; it must not block (it sends the others' aborts)."""
-        self._on_exit = on_exit
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time)
-        self._exited: dict[int, str] = {}  # rank -> how its process ended (ended()), not reported yet
-        self._thread: threading.Thread | None = None
 
     def arm(self, nodes: list[Node], here: str) -> None:
         """Watch the workers (by rank) whose node is `here` (the driver's node id)."""
-        watched = {}
+        self._watched = {}
         for rank, node in enumerate(nodes):
             stat = proc_stat(node.pid) if node.node_id == here and node.pid and node.started else None
             if stat is not None and stat[1] == node.started and stat[0] not in "ZX":
-                watched[rank] = (node.pid, node.started)
-        with self._lock:
-            self._watched, self._exited = watched, {}
-            if watched and self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="raytrainer-exits", daemon=True)
-                self._thread.start()
+                self._watched[rank] = (node.pid, node.started)
 
     def disarm(self) -> None:
-        """Stop watching (before a re-form, or at the end): no on_exit call is running or
-        will run once this returns."""
-        with self._lock:
-            self._watched, self._exited = {}, {}
+        self._watched = {}
 
     def exited(self) -> dict[int, str]:
-        """The ranks found exited since the last call: rank -> how the process ended."""
-        with self._lock:
-            found, self._exited = self._exited, {}
+        """The watched workers found exited since the last call: rank -> how (ended())."""
+        found = {rank: how for rank, (pid, started) in self._watched.items()
+                 if (how := ended(pid, started)) is not None}
+        for rank in found:
+            del self._watched[rank]
         return found
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(self.PERIOD_S)
-            with self._lock:
-                if not self._watched:
-                    self._thread = None  # arm() starts another
-                    return
-                for rank, (pid, started) in list(self._watched.items()):
-                    how = ended(pid, started)
-                    if how is not None:
-                        del self._watched[rank]
-                        self._exited[rank] = how
-                        self._on_exit(rank)
 
 
 def ended(pid: int, started: int) -> str | None:
