@@ -35,21 +35,6 @@ class Node:
     node_id: str = ""
     pid: int = 0
     gpu_ids: tuple[str, ...] = ()
-    started: int = 0
-    """When its process started (clock ticks since boot, proc_stat): with the pid, which process
-    it is; 0 where /proc is not there."""
-
-
-def proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """A process's state letter, start time and exit code (waitpid's form; set once its main
-    thread has exited) from /proc/<pid>/stat; None where there is no such process, or no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()  # from field 3: the name may hold spaces
-    return fields[0], int(fields[19]), int(fields[49]) if len(fields) > 49 else 0
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ survivors and ends with the same weights as an undisturbed run."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,8 +18,7 @@ from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, 
                                       secure_where)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
-from .faults import Run, kill
-from .waits import wait_until
+from .faults import kill
 
 
 def config(tmp_path, name, chaos=(), workers=2, **failure):
@@ -414,105 +412,3 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
     assert calls == []
     group.poll(0.0)
     assert calls == [("start_spares",)]
-
-
-# ---------------------------------------------------------------------------- exits found by their process
-
-
-def _child(code="import time; time.sleep(60)"):
-    """A child process, and its start time; not reaped until the test waits for it (a
-    SIGKILLed one is a zombie meanwhile, as a worker is until its raylet reaps it)."""
-    from raytrainer.contract import proc_stat
-
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    return proc, proc_stat(proc.pid)[1]
-
-
-def _zombie(proc):
-    from raytrainer.contract import proc_stat
-
-    wait_until(lambda: proc_stat(proc.pid)[0] == "Z", f"process {proc.pid} a zombie", 30)
-
-
-def test_how_a_process_ended_is_read_from_its_zombie_and_a_reused_pid_is_not_it():
-    from raytrainer.driver.group.exits import GONE, ended
-
-    alive, started = _child()
-    assert ended(alive.pid, started) is None
-    assert ended(alive.pid, started + 1) == GONE  # another process under that pid
-    alive.kill()
-    _zombie(alive)
-    assert ended(alive.pid, started).startswith("killed by SIGKILL: the OOM killer")
-    alive.wait()
-    assert ended(alive.pid, started) == GONE
-    crashed, started = _child("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    _zombie(crashed)
-    assert ended(crashed.pid, started).startswith("killed by SIGSEGV")
-    exited, started = _child("raise SystemExit(3)")
-    _zombie(exited)
-    assert ended(exited.pid, started) == "exited with status 3"
-    clean, started = _child("pass")
-    _zombie(clean)  # status 0: its main thread may have exited alone (pthread_exit); left to Ray
-    assert ended(clean.pid, started) is None
-    for proc in (crashed, exited, clean):
-        proc.wait()
-
-
-def test_the_watch_reports_only_the_workers_of_its_own_node_that_it_saw_start_once_each():
-    from raytrainer.contract import Node
-    from raytrainer.driver.group.exits import ExitWatch
-
-    watch = ExitWatch()
-    procs = [_child() for _ in range(4)]
-    nodes = [Node("ip", node_id="here", pid=procs[0][0].pid, started=procs[0][1]),
-             Node("ip", node_id="there", pid=procs[1][0].pid, started=procs[1][1]),  # another node's pid
-             Node("ip", node_id="here", pid=procs[2][0].pid, started=procs[2][1] + 1),  # not the process it said
-             Node("ip", node_id="here", pid=procs[3][0].pid, started=procs[3][1])]
-    try:
-        watch.arm(nodes, "here")
-        assert watch.exited() == {}
-        for proc, _ in procs[:3]:
-            proc.kill()
-            _zombie(proc)
-        exited = watch.exited()
-        assert list(exited) == [0] and exited[0].startswith("killed by SIGKILL")
-        assert watch.exited() == {}  # reported once
-        watch.disarm()
-        procs[3][0].kill()
-        _zombie(procs[3][0])
-        assert watch.exited() == {}
-    finally:
-        for proc, _ in procs:
-            proc.kill()
-            proc.wait()
-
-
-def test_a_killed_worker_is_found_dead_by_its_process_while_ray_cannot_say_so(ray_local, tmp_path):
-    """A worker's death is known from its process, not only once Ray reports it: Ray
-    holds the actor dead once its raylet has reaped the process, after the kernel has freed
-    its memory (0.2-0.5 s for 2 GB of state). Here its raylet is stopped, so Ray cannot say
-    so at all; the run still takes the kill for what it was, at once."""
-    from raytrainer.driver.group.exits import GONE
-
-    cfg = config(tmp_path, "exits", warm_spares=0)
-    cfg["task"]["args"]["sleep_s"] = 0.1
-    cfg["trainer"]["max_steps"] = 40
-    run = Run(cfg)
-    run.wait_for_step(3)
-    pid = run.pids()[1]
-    with open(f"/proc/{pid}/stat") as f:
-        raylet = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent
-    os.kill(raylet, signal.SIGSTOP)
-    try:
-        kill(pid)
-        failed = wait_until(lambda: [e for e in run.events() if e["event"] == "worker_failed"], "the failure", 30)
-    finally:
-        os.kill(raylet, signal.SIGCONT)
-    assert [(f["rank"], f["kind"]) for f in failed] == [(1, "died")]
-    # Found from its process (a small one is reaped within milliseconds, its exit status
-    # unseen); with no answer from Ray it would be "did not answer once its peers had stopped".
-    cause = failed[0]["cause"]
-    assert cause.startswith("the worker process died (killed by SIGKILL") or cause.endswith(f"({GONE})"), cause
-    result = run.result()
-    assert [e["step"] for e in events(result, "recovered")] and result.metrics["step"] == 40
-    assert_no_leaks()

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
-from ..contract import Holdings, Node, RunEnd, Reshard, Snapshot, Status, proc_stat
+from ..contract import Holdings, Node, RunEnd, Reshard, Snapshot, Status
 from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 from . import building, control
@@ -88,10 +88,9 @@ class Worker:
         import ray
 
         self._warm_up.wait()
-        stat = proc_stat(os.getpid())
         return Node(ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
                     node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
-                    gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()), started=stat[1] if stat else 0)
+                    gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
 
     def warm_node(self) -> Node:
         """node(), answered once this worker has also built its training state ahead and

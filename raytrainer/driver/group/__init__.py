@@ -9,7 +9,6 @@ a fake one without a cluster. This one is split by concern:
     drains    nodes being drained, and replacements for the workers on them
     forming   forming the process group, its hang checks, the state workers continue from
     copies    the second copy of a lone survivor's state
-    exits     workers on the driver's node found dead by their process, not only once Ray says so
     reforming the re-forms after a failure, a pause or a drain: from a survivor's state,
               or from peer snapshots
 
@@ -32,7 +31,6 @@ from . import actors, reforming
 from .actors import Roster, control, gather, start_worker, worker_bundle
 from .drains import Moves, draining_nodes
 from .copies import KeptCopies
-from .exits import ExitWatch
 from .forming import Forming
 from .slots import Slots
 from .spares import WarmSpares
@@ -53,7 +51,6 @@ class RayWorkerGroup:
         self.spares = WarmSpares(config, 0 if use_gpu else config.failure.warm_spares)
         self.forming = Forming(config, self.roster, self.kill)
         self.copies = KeptCopies(config)  # a lone survivor's second copy of the state
-        self.exits = ExitWatch()
         self._runs: list[Any] = []
         self._pending: list[Any] = []
         self._finished: dict[int, RunEnd] = {}
@@ -105,7 +102,6 @@ class RayWorkerGroup:
 
     def launch(self) -> None:
         self._runs = [a.run.remote() for a in self.roster.actors]
-        self.exits.arm(self.roster.nodes, ray.get_runtime_context().get_node_id())
         self._pending = list(self._runs)
         self._finished = {}
         self._drain_ref = None
@@ -118,8 +114,7 @@ class RayWorkerGroup:
         if ready and self._pending:  # whatever else has ended too, without waiting
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
-        exited = self.exits.exited()  # found by their process (exits.py)
-        poll = Poll(*self._drain(timeout=0.0 if 0 in exited else 1.0))
+        poll = Poll(*self._drain(timeout=1.0))
         self._stepped |= any("step" in row for row in poll.rows)
         if self._stepped and not self.slots.starting():  # once training runs (spares.py)
             self.spares.start(self.roster)
@@ -134,11 +129,6 @@ class RayWorkerGroup:
                 poll.paused[rank] = result
             else:
                 self._finished[rank] = poll.finished[rank] = result
-        for rank, how in exited.items():
-            if self._runs[rank] in self._pending:  # reported once: not again when Ray says so
-                self._pending.remove(self._runs[rank])
-                cause = f"the worker process died ({how})"
-                poll.failures.append(Failure(rank, "died", cause, None, self.roster.ip(rank)))
         if len(self._finished) == len(self._runs) and not poll.failures:
             poll.done = True
             poll.result = self._finished[0]
@@ -161,7 +151,6 @@ class RayWorkerGroup:
             return [], []  # rank 0 died; its run() ref says why
 
     def shutdown(self) -> None:
-        self.exits.disarm()
         for actor in self.roster.actors:
             ray.kill(actor, no_restart=True)
         self.moves.shutdown()
@@ -240,14 +229,12 @@ class RayWorkerGroup:
     def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
         """Re-form the process group after a failure or a pause, from a survivor's state
         (reforming.from_survivor)."""
-        self.exits.disarm()
         return reforming.from_survivor(self, dead, leave, regrow)
 
     def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
                           leave: list[int] = ()) -> Reformed:
         """Sharded state: re-form the process group from the newest peer snapshots
         (reforming.from_peers)."""
-        self.exits.disarm()
         return reforming.from_peers(self, dead, regrow, grow, leave)
 
     def _starting_ranks(self, dead: list[int]) -> list[int]:
