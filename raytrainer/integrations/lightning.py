@@ -146,11 +146,14 @@ class RaytrainerCallback(pl.Callback):
             with contextlib.suppress(OSError):
                 os.remove(_written.pop())
 
-    # A step is reported at the next hook after it: the model and optimizers are as the step
-    # left them until the next batch starts, and a validation run after the step adds its
-    # metrics to the step's row.
+    # A step is reported at the start of the next batch (or the end of the fit): the model
+    # and optimizers are as the step left them, a validation run after the step has added
+    # its metrics to the row, the epoch's end (its hooks and epoch schedulers) is behind,
+    # and Lightning resumes a checkpoint taken there exactly, like any mid-epoch one. A
+    # checkpoint taken in on_train_epoch_end is not: Lightning resumes it by ending that
+    # epoch again, and the fit goes apart from the undisturbed one two steps later
+    # (Lightning 2.6; test_frameworks' resume from every step's state).
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._flush(trainer)
         if trainer.global_step <= self._last:
             return
         self._last = trainer.global_step
@@ -163,12 +166,8 @@ class RaytrainerCallback(pl.Callback):
         found = _numbers(trainer.callback_metrics)
         self._validation_keys = {k for k in found if k not in self._row}
         self._row.update(found)
-        self._flush(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._flush(trainer)
-
-    def on_train_epoch_end(self, trainer, pl_module):
         self._flush(trainer)
 
     def on_train_end(self, trainer, pl_module):
