@@ -100,8 +100,11 @@ def test_a_copy_written_in_turns_reads_back_its_newest_complete_step(tmp_path):
         step, packed = copies.read(name)
         assert step == 13
         assert_same_state(newer, unpack(packed))
+        # The bytes in one part file per writer (this machine's cores, up to MAX_PARTS).
+        parts = min(copies.MAX_PARTS, os.cpu_count())
+        assert sorted(p.name for p in SHM.glob(f"{name}-1.*")) == [f"{name}-1.{i}" for i in range(parts)]
         # A death in the middle of writing step 13 leaves its file incomplete: step 12 serves.
-        newest = next(p for p in SHM.glob(f"{name}-*") if struct.unpack("<8sq", p.read_bytes()[:16])[1] == 13)
+        newest = next(p for p in SHM.glob(f"{name}-[01]") if struct.unpack("<8sq", p.read_bytes()[:16])[1] == 13)
         with open(newest, "r+b") as f:
             f.seek(16)
             f.write(struct.pack("<q", 0))
@@ -111,6 +114,14 @@ def test_a_copy_written_in_turns_reads_back_its_newest_complete_step(tmp_path):
     finally:
         copy.remove()
     assert not list(SHM.glob(f"{name}-*"))
+
+
+def test_the_tensors_are_spread_whole_over_the_parts_largest_first():
+    places, sizes = copies._place([100, 0, 60, 50, 40, 10], 3)
+    assert sizes == [100, 70, 90]  # 100 | 60, 10 | 50, 40
+    assert places == [(0, 0), (1, 70), (1, 0), (2, 0), (2, 50), (1, 60)]
+    assert copies._place([0, 0], 4) == ([(0, 0), (0, 0)], [0])  # no empty part files
+    assert copies._place([7], 8) == ([(0, 0)], [7])
 
 
 def test_the_step_a_recovery_secured_is_not_copied_again_the_next_one_is(tmp_path):
