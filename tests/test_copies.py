@@ -87,7 +87,8 @@ def test_a_state_of_a_few_mb_crosses_the_object_store_packed_and_loads_into_a_ne
     assert_same_state(model.state_dict(), stepped)
 
 
-def test_a_copy_written_in_turns_reads_back_its_newest_complete_step(tmp_path):
+def test_a_copy_written_in_turns_reads_back_its_newest_complete_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(copies, "PART_BYTES", 1024)  # its 0.1 MB in one part per core, as 2 GB would be
     _, _, state = training_state(width=64)
     name = f"raytrainer-copy-unit-{os.getpid()}"
     copy = copies.StateCopy(name)
@@ -133,6 +134,7 @@ def test_the_step_a_recovery_secured_is_not_copied_again_the_next_one_is(tmp_pat
         assert copies.read(name) == (None, None)
         copy.take(13, lambda: state)
         assert copies.read(name)[0] == 13
+        assert [p.name for p in SHM.glob(f"{name}-0.*")] == [f"{name}-0.0"]  # 0.1 MB: one part
     finally:
         copy.remove()
 

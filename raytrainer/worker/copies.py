@@ -40,6 +40,7 @@ from .transfer import Packed, pack
 _MAGIC = b"RTCOPY02"
 _HEADER = struct.Struct("<8sqqq")  # magic, step, complete, skeleton length
 MAX_PARTS = 8  # writers, one per part file: the lone survivor's cores, which wait for the copy
+PART_BYTES = 64 << 20  # a part at least this large: a small state is one file, no thread
 
 
 class StateCopy:
@@ -60,7 +61,7 @@ class StateCopy:
             return
         packed = pack(state_dict())
         sizes = [b.nbytes for b in packed.buffers]
-        places, part_sizes = _place(sizes, min(MAX_PARTS, os.cpu_count() or 1))
+        places, part_sizes = _place(sizes, min(MAX_PARTS, os.cpu_count() or 1, -(-sum(sizes) // PART_BYTES)))
         skeleton = pickle.dumps((packed.skeleton, sizes, places), protocol=5)
         total = _HEADER.size + len(skeleton) + sum(part_sizes)
         if self.prefix is None:
