@@ -7,12 +7,14 @@ import json
 import os
 import random
 import time
+import types
 
 import pytest
 import torch
 import yaml
 
 import raytrainer
+from raytrainer.worker.userloop import LoopContext
 
 from .conftest import ROOT, assert_no_leaks
 from .faults import Run, kill
@@ -89,23 +91,19 @@ def test_a_hugging_face_trainer_recovers_a_killed_worker_from_memory(hf_undistur
 class FakeContext:
     """ctx as one worker alone sees it, its reports recorded (state copied as raytrainer does)."""
 
-    def __init__(self, step=0, state=None, max_steps=8):
+    def __init__(self, step=0, state=None, max_steps=8, global_batch_size=4):
         self.rank, self.world_size, self.local_rank, self.device = 0, 1, 0, torch.device("cpu")
         self.step, self.state, self.checkpoint = step, state, None
-        self.max_steps, self.global_batch_size, self.seed = max_steps, 4, 0
+        self.max_steps, self.global_batch_size, self.seed = max_steps, global_batch_size, 0
         self.reports = []
+        self._loop = types.SimpleNamespace(sampled=lambda: None)  # what LoopContext.sampler counts on
 
     def report(self, metrics, state=None, checkpoint=None):
         from raytrainer.worker.userloop import _copy_state
 
         self.reports.append((dict(metrics), state and _copy_state(state), checkpoint))
 
-    def sampler(self, dataset, batch_size=None):
-        from raytrainer.data import BatchPlan
-        from raytrainer.worker.userloop import GlobalSampler
-
-        batch = batch_size or self.global_batch_size
-        return GlobalSampler(BatchPlan(len(dataset), batch, batch, 1, self.seed), 0, self.step, lambda: None)
+    sampler = LoopContext.sampler  # the run's own sampler, at world size 1
 
 
 @pytest.mark.slow  # transformers' import and two Trainers: out of the quick lane
@@ -183,14 +181,12 @@ def test_a_lightning_fit_resumed_from_any_step_s_state_ends_as_the_undisturbed_o
     from examples.lightning_loop import train_func
 
     args = dict(samples=256, val_every=3, ckpt_dir=str(tmp_path))  # 4 steps an epoch of 64 samples
-    ctx = FakeContext(max_steps=10)
-    ctx.global_batch_size = 64
+    ctx = FakeContext(max_steps=10, global_batch_size=64)
     first = train_func(ctx, **args).state_dict()
     assert [m["step"] for m, state, _ in ctx.reports if state] == list(range(1, 11))
     losses = [m["loss"] for m, _, _ in ctx.reports]
     for m, state, _ in ctx.reports[:-1]:
-        again = FakeContext(step=m["step"], state=state, max_steps=10)
-        again.global_batch_size = 64
+        again = FakeContext(step=m["step"], state=state, max_steps=10, global_batch_size=64)
         second = train_func(again, **args).state_dict()
         assert [a["loss"] for a, _, _ in again.reports] == losses[m["step"]:], f"resumed from step {m['step']}"
         assert all(torch.equal(first[k], second[k]) for k in first), f"resumed from step {m['step']}"
