@@ -24,10 +24,10 @@ Plain torch and numpy; no Ray.
 
 from __future__ import annotations
 
+import glob
 import mmap
 import os
 import pickle
-import glob
 import struct
 import tempfile
 import threading
