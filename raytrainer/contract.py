@@ -101,6 +101,16 @@ class Reshard:
 
 
 @dataclass(frozen=True)
+class CopiedState:
+    """What a worker loads to take a survivor's state on that survivor's node: the copy it
+    wrote in the node's shared memory (STATE_COPIES' `read(name)`), of `step`. The bytes
+    pass through no object store and no socket."""
+
+    name: str
+    step: int
+
+
+@dataclass(frozen=True)
 class Failure:
     rank: int
     kind: Literal["died", "hung", "error", "interrupted"]
@@ -291,7 +301,7 @@ class WorkerActor(Protocol):
         and passes the second by reference to every worker's setup, never fetching it."""
         ...
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | str | Snapshot | Reshard | None = None) -> tuple[int | None, int, bool]: ...
+              resume: bytes | str | Snapshot | Reshard | CopiedState | None = None) -> tuple[int | None, int, bool]: ...
     def run(self) -> RunEnd: ...
     def status(self) -> Status: ...
     def request_pause(self) -> None: ...
@@ -302,6 +312,9 @@ class WorkerActor(Protocol):
     def get_state(self) -> tuple[int, Any]:
         """(its size, this worker's training state, packed: worker/transfer.py). Called with
         num_returns=2: the driver waits for the size and hands the state on by reference."""
+        ...
+    def copy_now(self, prefix: str) -> int | None:
+        """keep_copy(prefix), its first copy written now; the step written (None: no room)."""
         ...
     def keep_copy(self, prefix: str | None) -> None:
         """Copy the state to its node's shared memory under `prefix` at every step boundary

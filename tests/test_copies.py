@@ -117,6 +117,24 @@ def test_a_copy_written_in_turns_reads_back_its_newest_complete_step(tmp_path, m
     assert not list(SHM.glob(f"{name}-*"))
 
 
+def test_a_worker_given_the_survivors_copy_loads_the_step_it_was_written_for():
+    """A warm spare on the giver's node takes the state from the giver's copy (CopiedState),
+    not from the object store: the step the driver names, else a clear error."""
+    from raytrainer.contract import CopiedState
+    from raytrainer.worker.forming import resolve
+
+    _, _, state = training_state(width=64)
+    name = f"raytrainer-copy-taken-{os.getpid()}"
+    copy = copies.StateCopy(name)
+    try:
+        copy.take(12, lambda: state)
+        assert_same_state(state, unpack(resolve(CopiedState(name, 12), worker=None)))
+        with pytest.raises(RuntimeError, match=f"{name}, holds step 12, not 13"):
+            resolve(CopiedState(name, 13), worker=None)
+    finally:
+        copy.remove()
+
+
 def test_the_tensors_are_spread_whole_over_the_parts_largest_first():
     places, sizes = copies._place([100, 0, 60, 50, 40, 10], 3)
     assert sizes == [100, 70, 90]  # 100 | 60, 10 | 50, 40

@@ -14,11 +14,13 @@ import raytrainer
 from raytrainer.contract import Status
 from raytrainer.errors import ConfigError, TaskError, WorkerError
 from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, Replacing, blame, choose_source,
-                                      choose_state, keep_waiting_for_placement, replacing, secure_at_once,
-                                      secure_where)
+                                      choose_state, hand_over_by_copy, keep_waiting_for_placement, replacing,
+                                      secure_at_once, secure_where)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
 from .faults import kill
+from .test_copies import SHM
+from .waits import wait_until
 
 
 def config(tmp_path, name, chaos=(), workers=2, **failure):
@@ -115,7 +117,7 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
     from raytrainer.config import load_config
     from raytrainer.driver.group import RayWorkerGroup
 
-    cfg = config(tmp_path, "spare", workers=3, warm_spares=2)
+    cfg = config(tmp_path, f"spares-{os.getpid()}", workers=3, warm_spares=2)
     cfg["trainer"]["max_steps"] = 10**6
     cfg["task"]["args"].update(sleep_s=0.02, builds_to=str(tmp_path / "builds"))
     group = RayWorkerGroup(load_config(cfg), use_gpu=False, cluster_can_grow=False)
@@ -152,6 +154,11 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
         assert reformed.replaced == [1, 2] and set(group.actors[1:]) == set(spares)
         # Built once each, before the kill: their setup adopted what they built.
         assert builds(tmp_path, pids) == built and all(t < killed_at for _, t in built)
+        # On the survivor's node, they took its state from the copy it wrote in shared memory,
+        # not through the object store; the copy goes once they hold the state.
+        assert (reformed.state_from, reformed.secured) == ("memory", "copy")
+        assert group.copies.holder is None
+        wait_until(lambda: not list(SHM.glob(f"raytrainer-copy-spares-{os.getpid()}-*")), "the copy removed", 30)
     finally:
         group.shutdown()
     assert_no_leaks()
@@ -329,6 +336,19 @@ def test_a_re_form_secures_the_state_in_the_object_store_only_for_a_worker_that_
     assert where({1: at}, [1], copies_wanted=False) is None  # one worker by choice
 
 
+def test_workers_taking_the_state_on_the_givers_node_read_its_copy_there():
+    def by_copy(takers, leaving=False, joiners=False, secured_before=False):
+        return hand_over_by_copy("a", takers, leaving=leaving, joiners=joiners, secured_before=secured_before)
+
+    assert by_copy(["a"]) and by_copy(["a", "a"])  # spares beside the survivor that gives it
+    assert not by_copy(["a", "b"])  # one on another node: through the object store, for all
+    assert not by_copy(["a", None])  # a replacement not up yet: its node is not known
+    assert not by_copy([])  # nobody takes it
+    assert not by_copy(["a"], leaving=True)  # a draining node's workers go: the state must outlive them
+    assert not by_copy(["a"], joiners=True)
+    assert not by_copy(["a"], secured_before=True)  # every worker takes what an earlier attempt secured
+
+
 def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
     def plan(lost, spares=(), world=3, **kw):
         kw = {"replicated": True, "exact": False, "global_batch_fixed": True, "elastic": False, **kw}
@@ -374,7 +394,7 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
 
     group = RayWorkerGroup(load_config(config(tmp_path, "spare")), use_gpu=False)
     group.roster.actors, group.roster.slots = ["w0", "w1"], [("pg", 0), ("pg", 1)]
-    group.roster.nodes = [Node("10.0.0.1", node_id="n"), Node("10.0.0.1", node_id="n")]
+    group.roster.nodes = [Node("10.0.0.1", node_id="n0"), Node("10.0.0.2", node_id="n1")]
     calls = []
     status = Status(5, 10, "framework")
     group.kill = lambda rank: calls.append(("kill", rank))
@@ -383,7 +403,7 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
         start=lambda roster: calls.append(("start_spares",)))
     group.forming = SimpleNamespace(
         answers=lambda ranks, method: {r: status for r in ranks},
-        take_state=lambda holders, avoid: (0, "state", status),
+        take_state=lambda holders, avoid: (0, "state", status), secured=None,
         form=lambda calls_, use_gpu: calls.append(("form", sorted(calls_))),
         clear=lambda: None)
     # The spare's node() call, made as it started, says where it is: no second one to wait for.
@@ -396,7 +416,7 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
         starting=lambda: False)
     group._stepped = True  # the group before the loss had trained
     reformed = group.reform([1])
-    assert calls == [("kill", 1), ("take_spare", "n"), ("wait_placed", {1: "the spare's node() call"}),
+    assert calls == [("kill", 1), ("take_spare", "n1"), ("wait_placed", {1: "the spare's node() call"}),
                      ("form", [0, 1]), ("start_joiners",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"]
     # Launched again: the spares start at the poll that brings the re-formed group's first step.

@@ -242,6 +242,7 @@ def measure_kill(state_mb: float, spares: int, kill_step: int = 6, steps: int = 
         "state_bytes": state_bytes(layers, width), "layers": layers, "width": width, "warm_spares": spares,
         "kill_to_failed_event_s": round(failed["time"] - killed_at, 3), "failed_cause": failed["cause"],
         "recovered_s": rec["seconds"], "steps_lost": rec["steps_lost"], "state_from": rec.get("state_from"),
+        "secured": rec.get("secured"),
         "spares": rec.get("spares"), "dropped": rec.get("dropped"),
         "kill_to_next_step_s": round(after["time"] - killed_at, 3),
         "step_median_s": round(step_s[len(step_s) // 2], 3) if step_s else None,

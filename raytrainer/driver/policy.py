@@ -134,6 +134,20 @@ def secure_at_once(*, leaving: bool, waited: bool, joiners: bool, holders: bool)
     return leaving or waited or joiners or not holders
 
 
+def hand_over_by_copy(source_node: str, takers: Iterable[str | None], *, leaving: bool, joiners: bool,
+                      secured_before: bool) -> bool:
+    """Whether the workers taking the state that a re-form secures before it knows who stays
+    (secure_at_once) read it from the giving survivor's copy in its node's shared memory
+    (worker/copies.py) instead of the object store: where every one of them is up on that
+    node (`takers`: each one's node; None for a replacement not up yet, its node unknown),
+    nobody leaves (their replacements may be elsewhere), no joiner takes it, and no earlier
+    attempt of this recovery secured it (every worker takes that one). The copy is the
+    state's second copy until the group has formed, as the object store's was."""
+    takers = list(takers)
+    return (bool(takers) and not leaving and not joiners and not secured_before
+            and all(node == source_node for node in takers))
+
+
 def secure_where(holders: dict[int, Status], keep: Iterable[int], *, secured_before: bool,
                  copies_wanted: bool) -> str | None:
     """Where a re-form that nobody new joins keeps a second copy of the state it continues

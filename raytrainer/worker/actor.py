@@ -29,7 +29,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
-from ..contract import Holdings, Node, RunEnd, Reshard, Snapshot, Status
+from ..contract import CopiedState, Holdings, Node, RunEnd, Reshard, Snapshot, Status
 from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 from . import building, control
@@ -123,9 +123,9 @@ class Worker:
             return str(exc), None
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, use_gpu: bool,
-              resume: bytes | str | Snapshot | Reshard | None = None) -> tuple[int | None, int, bool]:
+              resume: bytes | str | Snapshot | Reshard | CopiedState | None = None) -> tuple[int | None, int, bool]:
         """Join the group, build the task, and load `resume` if given: a torch.save'd state
-        (a state.pt checkpoint, or a survivor's state), the URI of a sharded checkpoint's
+        (a state.pt checkpoint), a survivor's state (packed, or its copy on this node), the URI of a sharded checkpoint's
         directory, a peer snapshot (without data: this worker's own), or every rank's
         snapshots of another world size to re-shard from (reshard.py). A worker that
         trained in an earlier group starts over in this one. Returns (total steps, steps
@@ -284,13 +284,13 @@ class Worker:
         return own.step, own
 
     def regroup(self, rank: int, world_size: int, addr: str, port: int,
-                state: bytes | None = None) -> int:
+                state: Any = None) -> int:
         """Join a re-formed process group as `rank`, first taking `state` if given;
         return the step it will continue after."""
         self._forming.note_working()
         with _as_worker_error(self), self._forming.marked():
             if state is not None:  # first: should the group fail to form, this state is kept
-                self.loop.load_state_dict(load(state, building.copied_on_load(self.config)))
+                self.loop.load_state_dict(load(resolve(state, self), building.copied_on_load(self.config)))
             if self._copy is not None:  # a second holder is back (the driver says so again later)
                 self.loop.keeper = None
             self._forming.join(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)

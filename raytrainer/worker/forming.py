@@ -5,7 +5,8 @@ While a group forms, status() tells the driver how far this worker got (`Forming
 preparing, joining, joined) and reads the clock of the thread that forms the group and then
 trains, so that the driver blames a worker that does not reach the rendezvous while its
 peers wait there, and not one that is merely slow to prepare. The state handed in arrives
-packed (transfer.py: a survivor's), as torch.save'd bytes (a checkpoint's), or, for sharded
+packed (transfer.py: a survivor's, through the object store or, on the survivor's node,
+its copy in shared memory: copies.py), as torch.save'd bytes (a checkpoint's), or, for sharded
 state, as peer snapshots: this worker's own, named by its step alone because it never left
 this process, or other ranks', fetched from the object store.
 """
@@ -17,7 +18,7 @@ import io
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..contract import Reshard, Snapshot
+from ..contract import CopiedState, Reshard, Snapshot
 from .busy import busy_seconds
 
 if TYPE_CHECKING:
@@ -65,6 +66,14 @@ def resolve(resume: Any, worker: Worker) -> Any:
         return worker.snapshots.own_snapshot(resume.step)
     if isinstance(resume, Reshard):
         return Reshard(resume.step, tuple(_snapshot_part(part, worker) for part in resume.parts))
+    if isinstance(resume, CopiedState):
+        from .copies import read
+
+        step, packed = read(resume.name)
+        if step != resume.step:  # the survivor wrote it for this worker and waits: never so
+            raise RuntimeError(f"the copy of the state to take, {resume.name}, holds step {step}, not "
+                               f"{resume.step}")
+        return packed
     return resume
 
 

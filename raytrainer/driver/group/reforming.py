@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ...contract import Holdings, Node, ReformFailed, Reformed, Reshard, Snapshot, Status
+from ...contract import CopiedState, Holdings, Node, ReformFailed, Reformed, Reshard, Snapshot, Status
 from ...errors import NoSurvivors, PlacementError
-from ..policy import choose_snapshot, choose_source, secure_at_once, secure_where
+from ..policy import choose_snapshot, choose_source, hand_over_by_copy, secure_at_once, secure_where
 from .actors import resources_text, start_worker
 from .slots import Joiner
 
@@ -59,7 +59,7 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
         holders = {r: s for r, s in answers.items() if s.phase != "setup"}  # those with a training state
         early = secure_at_once(leaving=bool(leave), waited=bool(waited), holders=bool(holders),
                                joiners=bool(group.slots.ready_joiners(take=False)))
-        secured = (*_take_state(group, holders, leave), "object_store") if early else None
+        secured = _secure_early(group, holders, leave, [r if r in asked else None for r in waited]) if early else None
     except ReformFailed as exc:
         raise _before_renumbering(exc, regrow, world) from None
     moved = _leave(group, leave)  # the state is secured: they go, for their replacements if up
@@ -126,6 +126,29 @@ def _secure(group: RayWorkerGroup, holders: dict[int, Status],
     if where == "object_store":
         return *_take_state(group, holders, []), where
     return source, None, holders[source], where
+
+
+def _secure_early(group: RayWorkerGroup, holders: dict[int, Status], leave: list[int],
+                  takers: list[int | None]) -> tuple[int | None, Any, Status, str]:
+    """The state secured before the re-form knows who stays (policy.secure_at_once), with
+    `takers` the ranks waited for (None: one with no spare up to take it). Where all of them,
+    and the survivors behind it, are on the node of the survivor that gives it (policy.hand_over_by_copy), that
+    survivor writes its copy into the node's shared memory, and they read it there: 2 GB
+    in 0.5 s on the 2-core VM, where its put into the object store took 1.1-1.4 s
+    (docs/benchmarks.md, "A spare takes the state from the survivor's copy"). Else, or
+    where the copy has no room, the object store (_take_state)."""
+    roster, forming = group.roster, group.forming
+    if holders:
+        source = choose_source(holders, leave)
+        node = roster.nodes[source].node_id
+        takers += [r for r in holders if holders[r].position != holders[source].position]  # behind: they take it too
+        nodes = [roster.nodes[r].node_id if r is not None else None for r in takers]
+        if hand_over_by_copy(node, nodes, leaving=bool(leave), secured_before=forming.secured is not None,
+                             joiners=bool(group.slots.ready_joiners(take=False))):
+            step = forming.answer(source, group.copies.copy_now(roster.actors[source], node))
+            if step is not None:
+                return source, CopiedState(group.copies.holder[2], step), holders[source], "copy"
+    return (*_take_state(group, holders, leave), "object_store")
 
 
 def _take_state(group: RayWorkerGroup, holders: dict[int, Status], leave: list[int]) -> tuple[int | None, Any, Status]:
