@@ -135,6 +135,28 @@ def test_a_worker_given_the_survivors_copy_loads_the_step_it_was_written_for():
         copy.remove()
 
 
+def test_copy_now_writes_the_step_a_recovery_secured_elsewhere():
+    """A lone holder's copy skips the step its recovery secured in the object store; asked
+    for a copy now (a spare on its node takes the state from it), it writes that step."""
+    from types import SimpleNamespace
+
+    from raytrainer.worker.actor import Worker
+
+    _, _, state = training_state(width=64)
+    name = f"raytrainer-copy-now-{os.getpid()}"
+    worker = object.__new__(Worker)
+    worker._copy, worker.rank = None, 0
+    worker.loop = SimpleNamespace(step=12, state_dict=lambda: state, keeper=None)
+    try:
+        worker.keep_copy(name, secured=12)
+        assert copies.read(name) == (None, None)
+        assert worker.copy_now(name) == 12
+        assert copies.read(name)[0] == 12
+    finally:
+        worker.keep_copy(None)
+    assert not list(SHM.glob(f"{name}-*"))
+
+
 def test_the_tensors_are_spread_whole_over_the_parts_largest_first():
     places, sizes = copies._place([100, 0, 60, 50, 40, 10], 3)
     assert sizes == [100, 70, 90]  # 100 | 60, 10 | 50, 40

@@ -246,13 +246,16 @@ class Worker:
             self.loop.keeper = self._keep if self._copy is not None else None
 
     def copy_now(self, prefix: str) -> int | None:
-        """keep_copy(prefix), its first copy written now, of the step this worker is at: the
-        re-form that leaves it the state's only holder waits for it (the state's second
-        copy). Returns that step; None where it cannot be written (warned of: the driver
-        secures the state in the object store instead)."""
+        """keep_copy(prefix), with a copy of the step this worker is at in the files now:
+        the re-form that leaves it the state's only holder waits for it (the state's second
+        copy), and workers on this node may take the state from it. Returns that step; None
+        where it cannot be written (warned of: the driver secures the state in the object
+        store instead)."""
         self.keep_copy(prefix)
+        if self._copy.written != self.loop.step:
+            self._copy.step = None  # a step secured elsewhere is in no file: write it
         self._keep(self.loop.step, self.loop.state_dict)
-        return self._copy.step if self.loop.keeper is not None else None
+        return self._copy.written if self.loop.keeper is not None else None
 
     def _keep(self, step: int, state_dict) -> None:
         """The loop's keeper: a copy that cannot be made (no room) is warned of, never a

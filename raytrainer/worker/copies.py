@@ -54,6 +54,7 @@ class StateCopy:
         self.name = name
         self.prefix: str | None = None  # chosen at the first copy, by its size
         self.step = step
+        self.written: int | None = None  # the step of the newest complete copy in the files
         self._turn = 0
 
     def take(self, step: int, state_dict: Callable[[], Any]) -> None:
@@ -89,11 +90,11 @@ class StateCopy:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.step, self._turn = step, 1 - self._turn
+        self.step, self.written, self._turn = step, step, 1 - self._turn
 
     def remove(self) -> None:
         remove(self.name)
-        self.prefix, self.step = None, None
+        self.prefix, self.step, self.written = None, None, None
 
 
 def _place(sizes: list[int], parts: int) -> tuple[list[tuple[int, int]], list[int]]:

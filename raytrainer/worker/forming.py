@@ -61,7 +61,8 @@ class Forming:
 
 def resolve(resume: Any, worker: Worker) -> Any:
     """The snapshots in `resume` as setup loads them: this worker's own by its step, and
-    every rank's of a re-shard; anything else as it is."""
+    every rank's of a re-shard; a survivor's copy on this node, read (mapped); anything
+    else as it is."""
     if isinstance(resume, Snapshot) and resume.data is None:
         return worker.snapshots.own_snapshot(resume.step)
     if isinstance(resume, Reshard):

@@ -131,17 +131,18 @@ def _secure(group: RayWorkerGroup, holders: dict[int, Status],
 def _secure_early(group: RayWorkerGroup, holders: dict[int, Status], leave: list[int],
                   takers: list[int | None]) -> tuple[int | None, Any, Status, str]:
     """The state secured before the re-form knows who stays (policy.secure_at_once), with
-    `takers` the ranks waited for (None: one with no spare up to take it). Where all of them,
-    and the survivors behind it, are on the node of the survivor that gives it (policy.hand_over_by_copy), that
-    survivor writes its copy into the node's shared memory, and they read it there: 2 GB
-    in 0.5 s on the 2-core VM, where its put into the object store took 1.1-1.4 s
-    (docs/benchmarks.md, "A spare takes the state from the survivor's copy"). Else, or
-    where the copy has no room, the object store (_take_state)."""
+    `takers` the ranks waited for (None: one with no spare up to take it). Where all of
+    them, and the survivors behind, are on the node of the survivor that gives it
+    (policy.hand_over_by_copy), that survivor writes its copy into the node's shared memory
+    and they read it there: 2 GB in 0.5 s on the 2-core VM, where its put into the object
+    store took 1.5 s (docs/benchmarks.md, "A spare takes the state from the survivor's
+    copy"). Else, or where the copy has no room, the object store (_take_state)."""
     roster, forming = group.roster, group.forming
     if holders:
         source = choose_source(holders, leave)
         node = roster.nodes[source].node_id
-        takers += [r for r in holders if holders[r].position != holders[source].position]  # behind: they take it too
+        behind = [r for r in holders if holders[r].position != holders[source].position]  # they take it too
+        takers = takers + behind
         nodes = [roster.nodes[r].node_id if r is not None else None for r in takers]
         if hand_over_by_copy(node, nodes, leaving=bool(leave), secured_before=forming.secured is not None,
                              joiners=bool(group.slots.ready_joiners(take=False))):
