@@ -22,8 +22,10 @@ from .faults import Run, kill
 SHM = Path(copies.default_dir())
 
 
-def copies_left() -> list[str]:
-    return sorted(p.name for p in SHM.glob("raytrainer-copy-*"))
+def copies_left(run: str) -> list[str]:
+    """The copies of run `run` in this node's shared memory (other test sessions' runs make
+    and remove theirs meanwhile: a spare's recovery on one node goes through one)."""
+    return sorted(p.name for p in SHM.glob(f"raytrainer-copy-{run}-*"))
 
 
 def training_state(width=512, layers=3):
@@ -259,9 +261,10 @@ def test_the_lone_survivor_killed_too_resumes_from_its_copy_losing_at_most_a_ste
     """Killed after two steps alone: from the copy in shared memory. Killed as soon as its
     recovery ends: from the state that recovery secured (its first copy is of the step
     after, so none is written yet)."""
-    before = copies_left()
+    name = f"kills-{os.getpid()}"
+    assert copies_left(name) == []
     base = raytrainer.train(config(tmp_path, "base"), progress=False)
-    run = Run(config(tmp_path, "kills"))
+    run = Run(config(tmp_path, name))
     run.wait_for_step(3)
     pick = random.Random(os.getpid())
     # Kill a worker until a recovery leaves one (a warm spare up takes the lost rank's place:
@@ -284,7 +287,7 @@ def test_the_lone_survivor_killed_too_resumes_from_its_copy_losing_at_most_a_ste
     kill(lone["pids"][0])
     result = run.result()
     assert grown == [], "the replacement joined before the second kill: not the window this test is about"
-    assert copies_left() == before, f"copies left behind: {copies_left()}"
+    assert copies_left(name) == [], f"copies left behind: {copies_left(name)}"
     after = [e for e in result.events if e["event"] == "recovered" and e["time"] > lone["time"]][0]
     assert after["state_from"] == "copy", after
     assert after["steps_lost"] <= 1, after
