@@ -119,10 +119,8 @@ def _secure(group: RayWorkerGroup, holders: dict[int, Status],
     where = secure_where(holders, keep, secured_before=forming.secured is not None,
                          copies_wanted=group.copies.wanted)
     source = choose_source(holders)
-    if where == "copy":
-        node = group.roster.nodes[source].node_id
-        if forming.answer(source, group.copies.copy_now(group.roster.actors[source], node)) is None:
-            where = "object_store"  # no room for the copy
+    if where == "copy" and _write_copy(group, source) is None:
+        where = "object_store"  # no room for the copy
     if where == "object_store":
         return *_take_state(group, holders, []), where
     return source, None, holders[source], where
@@ -146,10 +144,17 @@ def _secure_early(group: RayWorkerGroup, holders: dict[int, Status], leave: list
         nodes = [roster.nodes[r].node_id if r is not None else None for r in takers]
         if hand_over_by_copy(node, nodes, leaving=bool(leave), secured_before=forming.secured is not None,
                              joiners=bool(group.slots.ready_joiners(take=False))):
-            step = forming.answer(source, group.copies.copy_now(roster.actors[source], node))
+            step = _write_copy(group, source)
             if step is not None:
                 return source, CopiedState(group.copies.holder[2], step), holders[source], "copy"
     return (*_take_state(group, holders, leave), "object_store")
+
+
+def _write_copy(group: RayWorkerGroup, source: int) -> int | None:
+    """Have survivor `source` write its state into its node's copy (copies.py): the step
+    written, or None where the copy has no room."""
+    roster = group.roster
+    return group.forming.answer(source, group.copies.copy_now(roster.actors[source], roster.nodes[source].node_id))
 
 
 def _take_state(group: RayWorkerGroup, holders: dict[int, Status], leave: list[int]) -> tuple[int | None, Any, Status]:
