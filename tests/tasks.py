@@ -459,3 +459,25 @@ def nan_loss_loop(ctx, steps=6, nan_from=3):
         loss = model(torch.ones(1, 2)).sum() * (float("nan") if step >= nan_from else 1.0)
         ctx.report({"loss": loss, "step": step}, state={"model": model})
     return model
+
+
+def gated_loop(ctx, loop, gate, hold_at, **args):
+    """Your own loop `loop` ("module:function", called with `args`) whose reports from step
+    `hold_at` on wait while the file `gate` exists: a test that kills a worker once an
+    earlier step is in metrics.jsonl cannot find the run already over (the driver writes
+    rows behind the workers, by seconds on a loaded machine); it deletes the gate after."""
+    import importlib
+    import os
+    import time
+
+    module, name = loop.split(":")
+    report, reported = ctx.report, [ctx.step]
+
+    def gated(metrics, *a, **k):
+        reported[0] = int(metrics.get("step", reported[0] + 1))
+        while reported[0] >= hold_at and os.path.exists(gate):
+            time.sleep(0.01)
+        return report(metrics, *a, **k)
+
+    ctx.report = gated
+    return getattr(importlib.import_module(module), name)(ctx, **args)

@@ -8,6 +8,7 @@ import os
 import random
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,13 +35,23 @@ def assert_same_weights(a, b):
 
 
 def killed_once(cfg, first_step, last_step, timeout=240):
-    """The run with a random rank SIGKILLed by pid at a random moment after a random step."""
-    run = Run(cfg)
-    rng = random.Random()
-    run.wait_for_step(rng.randint(first_step, last_step), timeout=timeout)
-    time.sleep(rng.uniform(0, 0.1))  # anywhere in a step
-    victim = rng.randrange(2)
-    kill(run.pids()[victim])
+    """The run with a random rank SIGKILLed by pid at a random moment after a random step.
+    The workers wait at the report of last_step + 2 until then (tasks.gated_loop): the
+    driver's rows trail them, so on a loaded machine the run could end before the kill."""
+    gate = Path(cfg["run"]["storage"]) / f"{cfg['run']['name']}.gate"
+    gate.touch()
+    task = cfg["task"]
+    cfg = dict(cfg, task={"loop": "tests.tasks:gated_loop",
+                          "args": {"loop": task["loop"], "gate": str(gate), "hold_at": last_step + 2, **task["args"]}})
+    try:
+        run = Run(cfg)
+        rng = random.Random()
+        run.wait_for_step(rng.randint(first_step, last_step), timeout=timeout)
+        time.sleep(rng.uniform(0, 0.1))  # anywhere in a step
+        victim = rng.randrange(2)
+        kill(run.pids()[victim])
+    finally:
+        gate.unlink()
     result = run.result(timeout=timeout)
     (failed,), (recovered,) = events(result, "worker_failed"), events(result, "recovered")
     assert failed["kind"] == "died" and failed["rank"] == victim
