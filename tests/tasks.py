@@ -25,14 +25,33 @@ def _stall(path):
         time.sleep(0.1)
 
 
+def _hold_ahead(path):
+    """A build of the task ahead (a spare's or a newcomer's, on the worker's warm-up thread:
+    worker/warm.py) waits while the file `path` exists, as a large model's build at nice 19
+    takes long; each process waiting writes its pid to `path`.waiting first."""
+    import os
+    import threading
+    import time
+
+    if threading.current_thread().name != "raytrainer-warm-up" or not os.path.exists(path):
+        return
+    with open(f"{path}.waiting", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    while os.path.exists(path):
+        time.sleep(0.05)
+
+
 class RegressionTask(Task):
     """A tiny MLP regressing a fixed random linear map; deterministic data on every worker."""
 
     def __init__(self, num_samples=256, val_samples=64, lr=None, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
-                 saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None, builds_to=None):
+                 saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None, builds_to=None,
+                 hold_ahead=None):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
+        if hold_ahead:
+            _hold_ahead(hold_ahead)
         # SGD at 0.05 diverges on a wide layer (its gradient grows with the width): the wide
         # ones (a large state to move or save) take a step scaled down to stay finite, as
         # trainer.nonfinite=stop (the default) requires.

@@ -86,25 +86,35 @@ def test_kills_with_loader_processes_end_bit_identical_and_leave_none_behind(und
 def test_a_spare_that_does_not_answer_is_not_counted_on_though_its_node_looks_alive(ray_local, tmp_path):
     """A spare gone with its node stays "up" to Ray until its health checks fail (~15 s);
     a recovery that counted on it failed and started over. Here its process is SIGKILLed on
-    a node that is alive: it answered once, and must answer again to be counted on."""
+    a node that is alive: it answered once, and must answer again to be counted on. Before,
+    it is up but not built while its build of the task is held (a large model's build at
+    nice 19), and built once let go."""
     import ray
 
     from raytrainer.config import load_config
     from raytrainer.driver.group.actors import start_spare
-    from raytrainer.driver.group.spares import WarmSpares
+    from raytrainer.driver.group.spares import Spare, WarmSpares
 
-    spares = WarmSpares(load_config(config(tmp_path, "spare")), 1)
+    held = tmp_path / "held"
+    held.write_text("!")  # every process building the task waits while it exists (tasks._stall)
+    cfg = config(tmp_path, "spare")
+    cfg["task"]["args"]["stall_pid_file"] = str(held)
+    spares = WarmSpares(load_config(cfg), 1)
     node = ray.get_runtime_context().get_node_id()
     actor = start_spare(spares.config, node)
-    spares.spares.append((actor, actor.node.remote(), node))
+    spares.spares.append(Spare(actor, actor.node.remote(), node))
     try:
-        pid = ray.get(spares.spares[0][1], timeout=120).pid
+        pid = ray.get(spares.spares[0].up, timeout=120).pid
         assert spares.ready_on([node, node]) == [True, False]  # one spare, one place
+        assert spares.ready_on([node], built=True) == [False]  # still building
+        held.unlink()
+        wait_until(lambda: spares.ready_on([node], built=True) == [True], "the spare built", 60)
         kill(pid)
         t0 = time.monotonic()
         assert spares.ready_on([node]) == [False] and spares.spares == []  # let go
         assert time.monotonic() - t0 < 5
     finally:
+        held.unlink(missing_ok=True)
         spares.shutdown()
     assert_no_leaks()
 
@@ -130,7 +140,7 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
         while not group.spares.spares and time.monotonic() < deadline:
             stepped |= any("loss" in row for row in group.poll(0.1).rows)
         assert stepped  # started at the poll that brought a step's row, not before
-        spares = [actor for actor, _, _ in group.spares.spares]
+        spares = [spare.actor for spare in group.spares.spares]
         assert len(spares) == 2
         import ray
 
@@ -162,6 +172,47 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
     finally:
         group.shutdown()
     assert_no_leaks()
+
+
+def test_a_spare_still_building_is_not_waited_for_where_the_survivors_can_go_on(ray_local, tmp_path):
+    """failure.recovery fast (the default): a lost rank whose node's spare is up but still
+    building the training state ahead (a large model's build at nice 19 takes seconds) is
+    left behind as if no spare were up: the survivors go on at once, its replacement joins
+    once up, and the spare stays a spare."""
+    from .faults import Run
+
+    held, slow = tmp_path / "held", tmp_path / "slow"
+    held.touch()
+    slow.touch()
+    cfg = config(tmp_path, f"building-{os.getpid()}", recovery="fast")
+    cfg["task"] = {"target": "tests.tasks:ElasticTask",
+                   "args": {"dropout": 0.1, "sleep_s": 0.05, "slow_while": str(slow), "hold_ahead": str(held)}}
+    cfg["trainer"]["max_steps"] = 600
+    run = Run(cfg)
+    waiting = tmp_path / "held.waiting"
+    try:
+        run.wait_for(lambda: waiting.exists() and waiting.read_text().strip(), "the spare up, its build held")
+        spare = int(waiting.read_text().split()[0])
+        kill(run.pids()[1])
+        run.wait_for(lambda: of(run.events(), "recovered"), "the recovery")
+        (recovered,) = of(run.events(), "recovered")
+        assert (recovered["spares"], recovered["dropped"], recovered["attempts"]) == ([], [1], 1)
+        assert recovered["replacing"].startswith("no warm spare ready for rank(s) [1]")
+        held.unlink()
+        run.wait_for(lambda: [e for e in of(run.events(), "resized") if e["new_world_size"] == 2],
+                     "the replacement taken back in")
+    finally:
+        held.unlink(missing_ok=True)
+        slow.unlink()
+    result = run.result()
+    steps = [r["step"] for r in result.history if "loss" in r]
+    assert steps[-1] == 600 and len(steps) == len(set(steps)) and recovered["steps_lost"] <= 1
+    assert spare not in run.pids()  # the replacement joined; the spare was never taken
+    assert_no_leaks()
+
+
+def of(events, name):
+    return [e for e in events if e["event"] == name]
 
 
 def builds(tmp_path, pids):
@@ -350,9 +401,9 @@ def test_workers_taking_the_state_on_the_givers_node_read_its_copy_there():
 
 
 def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
-    def plan(lost, spares=(), world=3, **kw):
+    def plan(lost, spares=(), world=3, building=(), **kw):
         kw = {"replicated": True, "exact": False, "global_batch_fixed": True, "elastic": False, **kw}
-        return replacing(lost, spares_ready=spares, world=world, **kw)
+        return replacing(lost, spares_ready=spares, spares_up=(*spares, *building), world=world, **kw)
 
     assert plan([1], spares=[1]) == Replacing(spares=(1,), reason="warm spares take every lost rank")
     mixed = plan([2, 0], spares=[2])  # two lost close together, one spare up
@@ -361,7 +412,7 @@ def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
     # Sharded state too: the survivors re-shard the peer snapshots onto the ranks left.
     assert plan([0, 2], world=4, replicated=False).regrow == (0, 2)
     assert plan([0, 2], spares=[2], world=4, replicated=False) == Replacing(
-        spares=(2,), regrow=(0,), reason="no warm spare up for rank(s) [0]: going on without them while their "
+        spares=(2,), regrow=(0,), reason="no warm spare ready for rank(s) [0]: going on without them while their "
                                          "replacements start")
     assert plan([1], spares=[1], replicated=False).regrow == ()  # a spare: no re-shard at all
     assert plan([1], replicated=False, exact=True).wait == (1,)
@@ -372,6 +423,16 @@ def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
     assert plan([1], global_batch_fixed=False).wait == (1,)
     assert plan([1], global_batch_fixed=False, elastic=True).regrow == (1,)  # elastic: it resizes anyway
     assert plan([0, 1, 2]).wait == (0, 1, 2)
+    # A spare up but still building the training state: not waited for where the survivors
+    # can go on; taken where the rank would be waited for (its build's rest beats a start).
+    assert plan([1], building=[1]) == plan([1])
+    assert (plan([1, 2], spares=[2], building=[1]).spares, plan([1, 2], spares=[2], building=[1]).regrow) == \
+        ((2,), (1,))
+    assert plan([1, 2], building=[1], exact=True) == Replacing(spares=(1,), wait=(2,),
+                                                                reason="failure.recovery is exact")
+    assert plan([1], building=[1], global_batch_fixed=False) == Replacing(
+        spares=(1,), reason="warm spares take every lost rank")
+    assert plan([0, 1, 2], building=[0, 1, 2]).spares == (0, 1, 2)
 
 
 def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold():

@@ -77,7 +77,9 @@ class FailureConfig:
     needs its GPU at creation: none for GPU runs). Spread over the nodes the workers run
     on (a spare replaces a worker of its own node); started once training runs, and again
     after one is used, once no replacement is starting, so their start does not take the
-    cores a recovery needs. Each is a process holding torch in memory. 0: none."""
+    cores a recovery needs. A spare also builds the model and optimizer ahead; one still
+    building is taken only where the lost worker would be waited for (with recovery fast,
+    the survivors go on without it). Each is a process holding torch in memory. 0: none."""
     snapshot_every_n_steps: int = 10
     """Sharded state (trainer.strategy: fsdp): every this many optimizer steps each worker
     copies its shards of the training state to host memory and to one peer's, so that a

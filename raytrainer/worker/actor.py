@@ -99,6 +99,12 @@ class Worker:
         self._warm_up.wait(self._warm_up.warmed)
         return self.node()
 
+    def built(self) -> bool:
+        """Whether this worker has built its training state ahead (warm.py), or has none to
+        build: a warm spare that has takes a lost worker's place with no build left in the
+        recovery. Answered at once (a control call), building or not."""
+        return self._warm_up.built.is_set()
+
     def sees_file(self, path: str) -> bool:
         """Whether this worker's node sees `path` (the shared-storage check at start)."""
         import os

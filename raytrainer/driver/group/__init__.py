@@ -218,10 +218,11 @@ class RayWorkerGroup:
     def replacements(self, ranks: list[int]) -> list[int]:
         return self.moves.replacements(ranks)
 
-    def spares_ready(self, ranks: list[int]) -> list[int]:
+    def spares_ready(self, ranks: list[int], built: bool = False) -> list[int]:
         """Of the lost `ranks`, those a warm spare that is up can take over now: one on the
-        node of the rank's slot (a node Ray holds alive), each spare for one rank."""
-        ready = self.spares.ready_on([self.roster.nodes[r].node_id for r in ranks])
+        node of the rank's slot (a node Ray holds alive), each spare for one rank; `built`:
+        one that has built the training state ahead too (spares.py)."""
+        ready = self.spares.ready_on([self.roster.nodes[r].node_id for r in ranks], built)
         return [r for r, ok in zip(ranks, ready) if ok]
 
     # ------------------------------------------------------------------ re-forms (reforming.py)

@@ -14,19 +14,35 @@ answers its node() call; only a ready one is taken: one still importing at the l
 priority can take longer than a cold start at the workers' own on a busy machine. Before a
 recovery counts on one, it must answer again, within PING_S: a spare on a node lost a moment
 ago is gone with it while Ray still holds the node alive (for its health checks, ~15 s), and a
-recovery that took it failed and started over (2 s in a node-loss test).
+recovery that took it failed and started over (2 s in a node-loss test). That answer also
+says whether it has built the task's training state ahead (worker/warm.py): one still building
+at nice 19 leaves the rest of its build in the recovery (1.5-2.1 s at 2 GB of state on the
+2-core VM, where the spare was always still building at the kill), so where the survivors can
+go on without the lost rank (policy.replacing) only a built one is taken.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ...config import Config
-from .actors import Roster, alive_nodes, start_spare
+from .actors import Roster, alive_nodes, control, start_spare
+
+
+@dataclass(eq=False)
+class Spare:
+    actor: Any
+    up: Any
+    """Its node() call, made as it started: answered once it is up (torch imported)."""
+    node: str
+    """The node it is pinned to."""
+    built: bool = False
+    """Whether it said, at its last ask, that it has built the task's training state ahead."""
 
 
 class WarmSpares:
@@ -35,7 +51,7 @@ class WarmSpares:
 
     def __init__(self, config: Config, count: int):
         self.config, self.count = config, count
-        self.spares: list[tuple[Any, Any, str]] = []  # (actor, its node() call, the node it is pinned to)
+        self.spares: list[Spare] = []
 
     def start(self, roster: Roster) -> None:
         """Start spares up to the count, each on the node whose workers have the fewest
@@ -43,22 +59,23 @@ class WarmSpares:
         if len(self.spares) >= self.count or not roster.nodes:
             return
         workers = Counter(n.node_id for n in roster.nodes)
-        on = Counter(node for _, _, node in self.spares)
+        on = Counter(s.node for s in self.spares)
         while len(self.spares) < self.count:
             node = min(workers, key=lambda n: (on[n] / workers[n], -workers[n]))
             actor = start_spare(self.config, node)
-            self.spares.append((actor, actor.node.remote(), node))
+            self.spares.append(Spare(actor, actor.node.remote(), node))
             on[node] += 1
 
-    def ready_on(self, node_ids: list[str]) -> list[bool]:
+    def ready_on(self, node_ids: list[str], built: bool = False) -> list[bool]:
         """For each of `node_ids` in turn, whether a spare that is up there (and not counted
-        for an earlier one) could take a worker's place now."""
+        for an earlier one) could take a worker's place now; `built`: one that has also
+        built the training state ahead."""
         wanted = set(node_ids)
-        up = [s for s in self._alive() if s[2] in wanted and _answered(s[1])]
+        up = [s for s in self._alive() if s.node in wanted and _answered(s.up)]
         if up:  # a node lost a moment ago: its spares are gone with it, not yet seen so
             alive = alive_nodes()
-            up = self._answering([s for s in up if s[2] in alive])
-        free = Counter(node for _, _, node in up)
+            up = self._answering([s for s in up if s.node in alive])
+        free = Counter(s.node for s in up if s.built or not built)
         out = []
         for node in node_ids:
             out.append(free[node] > 0)
@@ -66,50 +83,53 @@ class WarmSpares:
         return out
 
     def take(self, node_id: str) -> tuple[Any, Any] | None:
-        """A spare that is up on `node_id`, and its node() call, made as it started (a
-        recovery waits for it through that call: one round trip fewer)."""
-        up = [s for s in self._alive() if s[2] == node_id and _answered(s[1])]
+        """A spare that is up on `node_id` (a built one first), and its node() call, made as
+        it started (a recovery waits for it through that call: one round trip fewer)."""
+        up = [s for s in self._alive() if s.node == node_id and _answered(s.up)]
         if not up or node_id not in alive_nodes():
             return None
-        self.spares.remove(up[0])
-        return up[0][0], up[0][1]
+        spare = max(up, key=lambda s: s.built)
+        self.spares.remove(spare)
+        return spare.actor, spare.up
 
     def keep_only_on(self, node_ids: set[str]) -> None:
         """Let go the spares beside no worker any more (they left the spare's node)."""
-        for spare in [s for s in self.spares if s[2] not in node_ids]:
+        for spare in [s for s in self.spares if s.node not in node_ids]:
             self._let_go(spare)
 
     def shutdown(self) -> None:
-        for actor, _, _ in self.spares:
-            ray.kill(actor, no_restart=True)
+        for spare in self.spares:
+            ray.kill(spare.actor, no_restart=True)
         self.spares = []
 
-    def _answering(self, spares: list[tuple[Any, Any, str]]) -> list[tuple[Any, Any, str]]:
-        """Of `spares`, those that answer a call within PING_S; the others are let go (their
-        process, or their node, is gone; one is started again at the next start())."""
-        refs = [actor.node.remote() for actor, _, _ in spares]
+    def _answering(self, spares: list[Spare]) -> list[Spare]:
+        """Of `spares`, those that answer a call within PING_S, each noting whether it has
+        built its training state ahead; the others are let go (their process, or their
+        node, is gone; one is started again at the next start())."""
+        refs = [control(s.actor, "built").remote() for s in spares]
         ray.wait(refs, num_returns=len(refs), timeout=self.PING_S)
         out = []
         for spare, ref in zip(spares, refs):
             if _answered(ref):
+                spare.built = ray.get(ref)
                 out.append(spare)
             else:
                 self._let_go(spare)
         return out
 
-    def _alive(self) -> list[tuple[Any, Any, str]]:
+    def _alive(self) -> list[Spare]:
         """The spares, less those that died (with their node?): replaced at the next start."""
         for spare in list(self.spares):
             try:
-                ray.get(spare[1], timeout=0)
+                ray.get(spare.up, timeout=0)
             except GetTimeoutError:
                 pass
             except (RayActorError, RayTaskError):
                 self._let_go(spare)
         return list(self.spares)
 
-    def _let_go(self, spare: tuple[Any, Any, str]) -> None:
-        ray.kill(spare[0], no_restart=True)
+    def _let_go(self, spare: Spare) -> None:
+        ray.kill(spare.actor, no_restart=True)
         self.spares.remove(spare)
 
 
