@@ -104,7 +104,9 @@ def test_a_spare_that_does_not_answer_is_not_counted_on_though_its_node_looks_al
     actor = start_spare(spares.config, node)
     spares.spares.append(Spare(actor, actor.node.remote(), node))
     try:
-        pid = ray.get(spares.spares[0].up, timeout=120).pid
+        up = spares.spares[0].up  # a torch import at nice 19: minutes beside busy loops
+        wait_until(lambda: ray.wait([up], timeout=0)[0], "the spare up", 120)
+        pid = ray.get(up).pid
         assert spares.ready_on([node, node]) == [True, False]  # one spare, one place
         assert spares.ready_on([node], built=True) == [False]  # still building
         held.unlink()
@@ -185,13 +187,15 @@ def test_a_spare_still_building_is_not_waited_for_where_the_survivors_can_go_on(
     held.touch()
     slow.touch()
     cfg = config(tmp_path, f"building-{os.getpid()}", recovery="fast")
+    # Steps of 0.5 s while `slow` exists: the spare imports torch at nice 19, which beside a
+    # busy loop and another session's runs takes minutes (the run of 30 s once ended first).
     cfg["task"] = {"target": "tests.tasks:ElasticTask",
-                   "args": {"dropout": 0.1, "sleep_s": 0.05, "slow_while": str(slow), "hold_ahead": str(held)}}
-    cfg["trainer"]["max_steps"] = 600
+                   "args": {"dropout": 0.1, "sleep_s": 0.5, "slow_while": str(slow), "hold_ahead": str(held)}}
+    cfg["trainer"]["max_steps"] = 1200
     run = Run(cfg)
     waiting = tmp_path / "held.waiting"
     try:
-        run.wait_for(lambda: waiting.exists() and waiting.read_text().strip(), "the spare up, its build held")
+        run.wait_for(lambda: waiting.exists() and waiting.read_text().strip(), "the spare up, its build held", 600)
         spare = int(waiting.read_text().split()[0])
         kill(run.pids()[1])
         run.wait_for(lambda: of(run.events(), "recovered"), "the recovery")
@@ -206,7 +210,7 @@ def test_a_spare_still_building_is_not_waited_for_where_the_survivors_can_go_on(
         slow.unlink()
     result = run.result()
     steps = [r["step"] for r in result.history if "loss" in r]
-    assert steps[-1] == 600 and len(steps) == len(set(steps)) and recovered["steps_lost"] <= 1
+    assert steps[-1] == 1200 and len(steps) == len(set(steps)) and recovered["steps_lost"] <= 1
     assert spare not in run.pids()  # the replacement joined; the spare was never taken
     assert_no_leaks()
 
