@@ -216,8 +216,11 @@ def test_a_kill_while_rank_0_writes_a_checkpoint(undisturbed, tmp_path):
 
 @pytest.mark.hangs
 def test_the_survivor_giving_its_state_freezes_while_the_group_re_forms(undisturbed, tmp_path):
-    run = Run(config(tmp_path, "source", saving_marker=str(tmp_path / "saving-")))
-    run.wait_for_step(5)
+    # Steps of at least 0.3 s: the driver's rows trail the workers (by 3.6 s in a CI run whose
+    # 30 steps of 0.01 s were all done before step 5's row came, the kill and freeze then
+    # landing after training).
+    run = Run(config(tmp_path, "source", saving_marker=str(tmp_path / "saving-"), sleep_s=0.3))
+    run.wait_for_step(2)
     pids = run.pids()
     kill(pids[1])
     source = wait_until(  # its state is being taken (a second)
