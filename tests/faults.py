@@ -45,6 +45,19 @@ class Run:
         wait_until(lambda: any(r["step"] >= step for r in _read(self.run_dir / "metrics.jsonl") if "loss" in r),
                    f"step {step}", timeout, alive=self._thread.is_alive)
 
+    def wait_for_worker_step(self, prefix: str | Path, step: int, timeout: float = 120.0) -> None:
+        """Until a worker has trained `step` micro-batches, as its task writes them (the
+        RegressionTask's `steps_to=prefix`): the workers' own progress, where metrics.jsonl
+        trails them by the driver's lag (3.6 s in a CI run: all of a short run's steps could
+        be done before a kill meant for its middle)."""
+        prefix = Path(prefix)
+
+        def trained():
+            counts = [p.read_text() for p in prefix.parent.glob(prefix.name + "*")]
+            return any(c.strip().isdigit() and int(c) >= step for c in counts)
+
+        wait_until(trained, f"a worker at micro-batch {step}", timeout, every_s=0.01, alive=self._thread.is_alive)
+
     def rows(self) -> list[dict]:
         return _read(self.run_dir / "metrics.jsonl")
 

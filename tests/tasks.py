@@ -47,7 +47,7 @@ class RegressionTask(Task):
     def __init__(self, num_samples=256, val_samples=64, lr=None, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
                  saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None, builds_to=None,
-                 hold_ahead=None):
+                 hold_ahead=None, steps_to=None):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
         if hold_ahead:
@@ -67,6 +67,10 @@ class RegressionTask(Task):
         self.hidden = hidden  # the model's width (its state: ~48 bytes per unit with SGD momentum)
         self.stall_step_file = stall_step_file  # while it names a worker, its steps stall (see _stall)
         self.builds_to = builds_to  # a file: each build_model appends "<pid> <time>"
+        # A path prefix: each micro-batch writes how many this process has trained to
+        # <prefix><pid>, which a test waits on (faults.Run.wait_for_worker_step) to act
+        # mid-run without the lag of the driver's metric rows (seconds, on a loaded machine).
+        self.steps_to = steps_to
         self.steps = 0
 
     def build_model(self):
@@ -107,6 +111,11 @@ class RegressionTask(Task):
     def train_step(self, model, batch):
         x, y, index = batch
         self.steps += 1
+        if self.steps_to:
+            import os
+
+            with open(f"{self.steps_to}{os.getpid()}", "w") as f:
+                f.write(str(self.steps))
         if self.record:  # every sample index this rank trains on, one line per micro-batch
             import torch.distributed as dist
 

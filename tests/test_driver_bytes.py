@@ -20,7 +20,8 @@ LIMIT = 1 << 20  # the largest thing the driver may fetch: metric rows, statuses
 
 def config(tmp_path, max_steps, sleep_s=0.0):
     return {
-        "task": {"target": "tests.tasks:RegressionTask", "args": {"hidden": HIDDEN, "sleep_s": sleep_s}},
+        "task": {"target": "tests.tasks:RegressionTask",
+                 "args": {"hidden": HIDDEN, "sleep_s": sleep_s, "steps_to": str(tmp_path / "at-")}},
         "trainer": {"max_steps": max_steps, "global_batch_size": 32},
         "scaling": {"num_workers": 2},
         "checkpoint": {"every_n_steps": 4},
@@ -53,7 +54,7 @@ def test_the_driver_fetches_no_model_bytes_through_a_checkpoint_a_recovery_a_res
     monkeypatch.setattr(ray, "put", refusing_put)
 
     run = Run(config(tmp_path, 12, sleep_s=0.1))
-    run.wait_for_step(5)  # past the checkpoint of step 4
+    run.wait_for_worker_step(tmp_path / "at-", 5)  # past the checkpoint of step 4, 7 steps of 0.1 s before the end
     kill(run.pids()[1])
     first = run.result()
     recovered = [e for e in first.events if e["event"] == "recovered"]

@@ -145,8 +145,8 @@ def world_size(events):
 
 
 def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
-    run = Run(config(tmp_path, "double", sleep_s=0.1))  # 0.1 s steps: see the frozen worker's test
-    run.wait_for_step(5)
+    run = Run(config(tmp_path, "double", sleep_s=0.1, steps_to=str(tmp_path / "at-")))
+    run.wait_for_worker_step(tmp_path / "at-", 5)  # see the frozen worker's test
     pids = run.pids()
     kill(pids[1])
     time.sleep(0.3)  # the first recovery is under way
@@ -166,11 +166,12 @@ def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
 
 @pytest.mark.hangs
 def test_a_frozen_worker_is_the_only_one_replaced(undisturbed, tmp_path):
-    # Steps of 0.1 s (the weights are the same): the driver writes step 5 a poll or more
-    # after the workers finish it, and with 0.01 s steps a slow day's lag once let all 30
-    # end before the freeze (the run finished with no failure at all).
-    run = Run(config(tmp_path, "frozen", sleep_s=0.1))
-    run.wait_for_step(5)
+    # Frozen once a worker has trained step 5, as the workers write it: the driver's rows
+    # trail them (by 3.6 s in a CI run), and waiting for those once let all 30 steps end
+    # before the freeze (the run finished with no failure at all). Steps of 0.1 s (the
+    # weights are the same) leave 2.5 s of training to land in.
+    run = Run(config(tmp_path, "frozen", sleep_s=0.1, steps_to=str(tmp_path / "at-")))
+    run.wait_for_worker_step(tmp_path / "at-", 5)
     frozen = run.pids()[1]
     freeze(frozen)
     result = run.result()
@@ -216,11 +217,13 @@ def test_a_kill_while_rank_0_writes_a_checkpoint(undisturbed, tmp_path):
 
 @pytest.mark.hangs
 def test_the_survivor_giving_its_state_freezes_while_the_group_re_forms(undisturbed, tmp_path):
-    # Steps of at least 0.3 s: the driver's rows trail the workers (by 3.6 s in a CI run whose
-    # 30 steps of 0.01 s were all done before step 5's row came, the kill and freeze then
-    # landing after training).
-    run = Run(config(tmp_path, "source", saving_marker=str(tmp_path / "saving-"), sleep_s=0.3))
-    run.wait_for_step(2)
+    # Killed once a worker has trained step 2, as the workers write it (the driver's rows
+    # trailed them by 3.6 s in a CI run whose 30 steps were all done before step 5's row
+    # came, the kill and freeze then landing after training); steps of 0.3 s leave the
+    # recovery's state-taking (a second) well inside the run.
+    run = Run(config(tmp_path, "source", saving_marker=str(tmp_path / "saving-"), sleep_s=0.3,
+                     steps_to=str(tmp_path / "at-")))
+    run.wait_for_worker_step(tmp_path / "at-", 2)
     pids = run.pids()
     kill(pids[1])
     source = wait_until(  # its state is being taken (a second)

@@ -99,10 +99,18 @@ def peer_config(tmp_path, name, workers=3, recovery="fast"):
     """3 workers, a snapshot every 4 steps, a checkpoint every 5; slow enough steps for a
     kill from outside to land in the middle of the run."""
     cfg = config(tmp_path, name, workers=workers, max_steps=PEER_STEPS)
-    cfg["task"]["args"] = {"sleep_s": 0.03}
+    cfg["task"]["args"] = {"sleep_s": 0.03, "steps_to": str(tmp_path / f"{name}-at-")}
     cfg["checkpoint"]["every_n_steps"] = 5
     cfg["failure"].update(snapshot_every_n_steps=4, collective_timeout_s=60, recovery=recovery)
     return cfg
+
+
+def at_step(run, tmp_path, step):
+    """Until a worker of a peer_config run has trained `step`, as the workers write it (the
+    driver's rows trail them by seconds on a loaded machine, and 16 short steps would be
+    over before a kill meant for the middle): 2 micro-batches a step (a share of 11 of the
+    global 32 in micro-batches of 8)."""
+    run.wait_for_worker_step(tmp_path / f"{run.run_dir.name}-at-", 2 * step)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +137,7 @@ def test_a_worker_killed_from_outside_is_recovered_from_its_peers_snapshot(fsdp3
     2 holds, nothing is read from storage, and the replayed run ends bit-identical to the
     undisturbed one."""
     run = Run(peer_config(tmp_path, "peers", recovery="exact"))
-    run.wait_for_step(6)
+    at_step(run, tmp_path, 6)
     time.sleep(random.uniform(0, 0.1))
     kill(run.pids()[1])
     result = run.result()
@@ -152,7 +160,7 @@ def test_a_frozen_worker_is_replaced_and_recovered_from_its_peers_snapshot(fsdp3
     cfg = peer_config(tmp_path, "frozen", recovery="exact")
     cfg["failure"]["step_timeout_s"] = 3
     run = Run(cfg)
-    run.wait_for_step(6)
+    at_step(run, tmp_path, 6)
     time.sleep(random.uniform(0, 0.1))
     freeze(run.pids()[1])
     result = run.result()
@@ -170,7 +178,7 @@ def test_two_neighbours_killed_together_fall_back_to_the_newest_checkpoint(fsdp3
     cfg = peer_config(tmp_path, "neighbours")
     cfg["checkpoint"]["async"] = True
     run = Run(cfg)
-    run.wait_for_step(6)
+    at_step(run, tmp_path, 6)
     pids = run.pids()
     kill(pids[1])
     kill(pids[2])
