@@ -234,10 +234,10 @@ class WorkerGroup(Protocol):
     def flight_record(self, rank: int) -> bytes | None: ...
     def kill(self, rank: int) -> None: ...
     def abort(self, ranks: list[int]) -> None: ...
-    def spares_ready(self, ranks: list[int], built: bool = False) -> list[int]:
+    def spares_ready(self, ranks: list[int]) -> dict[int, bool]:
         """Of the lost `ranks`, those a warm spare that is up can take over at once (one on
-        the node of the rank's slot, each spare for one rank); `built`: one that has built
-        the training state ahead too."""
+        the node of the rank's slot, each spare for one rank), each with whether its spare
+        has built the training state ahead too."""
         ...
     def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
         """Re-form the group without the `dead` ranks and the `leave` ranks (alive, on a

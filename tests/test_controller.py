@@ -269,8 +269,8 @@ class FailingGroup(FakeGroup):
 
     spares = ()  # the lost ranks a ready warm spare can take (spares_ready)
 
-    def spares_ready(self, ranks, built=False):
-        return [r for r in ranks if r in self.spares]
+    def spares_ready(self, ranks):
+        return {r: True for r in ranks if r in self.spares}
 
     def reform(self, dead, leave=(), regrow=()):
         if regrow:

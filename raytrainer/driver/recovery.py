@@ -88,8 +88,9 @@ class Recovery:
         if not ctl._replicated and not ctl.failure.snapshot_every_n_steps:
             raise NoSurvivors("the state is sharded, so the lost workers' shards are on no survivor, "
                               "and failure.snapshot_every_n_steps is 0")
-        plan = replacing(lost, spares_ready=ctl.group.spares_ready(lost, built=True),
-                         spares_up=ctl.group.spares_ready(lost), world=ctl.world,
+        up = ctl.group.spares_ready(lost)  # rank -> whether its spare is built
+        plan = replacing(lost, spares_ready=[r for r, built in up.items() if built], spares_up=list(up),
+                         world=ctl.world,
                          replicated=ctl._replicated, exact=ctl.failure.recovery == "exact",
                          global_batch_fixed=not ctl.per_worker_batch, elastic=ctl.max_workers > ctl.num_workers)
         if ctl._replicated:

@@ -218,12 +218,12 @@ class RayWorkerGroup:
     def replacements(self, ranks: list[int]) -> list[int]:
         return self.moves.replacements(ranks)
 
-    def spares_ready(self, ranks: list[int], built: bool = False) -> list[int]:
-        """Of the lost `ranks`, those a warm spare that is up can take over now: one on the
-        node of the rank's slot (a node Ray holds alive), each spare for one rank; `built`:
-        one that has built the training state ahead too (spares.py)."""
-        ready = self.spares.ready_on([self.roster.nodes[r].node_id for r in ranks], built)
-        return [r for r, ok in zip(ranks, ready) if ok]
+    def spares_ready(self, ranks: list[int]) -> dict[int, bool]:
+        """Of the lost `ranks`, those a warm spare that is up can take over now (one on the
+        node of the rank's slot, a node Ray holds alive, each spare for one rank), each with
+        whether its spare has built the training state ahead too (spares.py)."""
+        ready = self.spares.ready_on([self.roster.nodes[r].node_id for r in ranks])
+        return {r: built for r, built in zip(ranks, ready) if built is not None}
 
     # ------------------------------------------------------------------ re-forms (reforming.py)
 

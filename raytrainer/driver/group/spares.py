@@ -66,21 +66,18 @@ class WarmSpares:
             self.spares.append(Spare(actor, actor.node.remote(), node))
             on[node] += 1
 
-    def ready_on(self, node_ids: list[str], built: bool = False) -> list[bool]:
+    def ready_on(self, node_ids: list[str]) -> list[bool | None]:
         """For each of `node_ids` in turn, whether a spare that is up there (and not counted
-        for an earlier one) could take a worker's place now; `built`: one that has also
-        built the training state ahead."""
+        for an earlier one) could take a worker's place now: True where it has built the
+        training state ahead too (the built ones counted first), False where it is still
+        building, None where no spare is up. One ping of the spares for all."""
         wanted = set(node_ids)
         up = [s for s in self._alive() if s.node in wanted and _answered(s.up)]
         if up:  # a node lost a moment ago: its spares are gone with it, not yet seen so
             alive = alive_nodes()
             up = self._answering([s for s in up if s.node in alive])
-        free = Counter(s.node for s in up if s.built or not built)
-        out = []
-        for node in node_ids:
-            out.append(free[node] > 0)
-            free[node] -= 1
-        return out
+        free = {node: sorted((s.built for s in up if s.node == node), reverse=True) for node in wanted}
+        return [free[node].pop(0) if free[node] else None for node in node_ids]
 
     def take(self, node_id: str) -> tuple[Any, Any] | None:
         """A spare that is up on `node_id` (a built one first), and its node() call, made as
