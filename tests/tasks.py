@@ -47,7 +47,7 @@ class RegressionTask(Task):
     def __init__(self, num_samples=256, val_samples=64, lr=None, fail_at_step=None, fail_rank=0,
                  no_loss=False, dropout=0.0, record=None, sleep_s=0.0, fail_on_sample=None,
                  saving_marker=None, stall_pid_file=None, hidden=16, stall_step_file=None, builds_to=None,
-                 hold_ahead=None, steps_to=None):
+                 hold_ahead=None, steps_to=None, hold=None):
         if stall_pid_file:  # while it exists, the workers it names ("!pids": the others) stall here
             _stall(stall_pid_file)
         if hold_ahead:
@@ -71,6 +71,7 @@ class RegressionTask(Task):
         # <prefix><pid>, which a test waits on (faults.Run.wait_for_worker_step) to act
         # mid-run without the lag of the driver's metric rows (seconds, on a loaded machine).
         self.steps_to = steps_to
+        self.hold = hold  # (path, n): from micro-batch n on, each waits while the file exists
         self.steps = 0
 
     def build_model(self):
@@ -116,6 +117,12 @@ class RegressionTask(Task):
 
             with open(f"{self.steps_to}{os.getpid()}", "w") as f:
                 f.write(str(self.steps))
+        if self.hold and self.steps >= self.hold[1]:
+            import os
+            import time
+
+            while os.path.exists(self.hold[0]):
+                time.sleep(0.05)
         if self.record:  # every sample index this rank trains on, one line per micro-batch
             import torch.distributed as dist
 

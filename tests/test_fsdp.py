@@ -177,11 +177,21 @@ def test_two_neighbours_killed_together_fall_back_to_the_newest_checkpoint(fsdp3
     async save, committed from its thread) and still ends bit-identical."""
     cfg = peer_config(tmp_path, "neighbours")
     cfg["checkpoint"]["async"] = True
+    held = tmp_path / "held"  # the steps from 7 on wait while it exists
+    held.touch()
+    cfg["task"]["args"]["hold"] = [str(held), 2 * 7]  # 2 micro-batches a step (at_step)
     run = Run(cfg)
-    at_step(run, tmp_path, 6)
-    pids = run.pids()
-    kill(pids[1])
-    kill(pids[2])
+    # Killed once step 5's checkpoint is committed, as its marker on storage says (the
+    # driver's events of it, and the workers' count of steps, came before or after it by
+    # seconds on a loaded machine), before the one of step 10.
+    try:
+        run.wait_for(lambda: (run.run_dir / "checkpoints" / "step-00000005" / "COMMITTED").exists(),
+                     "step 5's checkpoint committed")
+        pids = run.pids()
+        kill(pids[1])
+        kill(pids[2])
+    finally:
+        held.unlink()
     result = run.result()
     recovered = of(result.events, "recovered")
     assert recovered[-1]["state_from"] == "checkpoint" and recovered[-1]["from_checkpoint"].startswith("step-")
