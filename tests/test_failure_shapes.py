@@ -114,9 +114,8 @@ def test_fast_recovery_goes_on_at_once_and_takes_the_replacements_in_once_up(und
         else:
             assert r["secured"] in ("holders", "object_store"), outline(result.events)
     assert any(r["secured"] == "holders" for r in recovered), outline(result.events)
-    steps = [r["step"] for r in result.history if "loss" in r]
-    # Every step once; a row being reduced as a worker died is lost with it (not the step).
-    assert len(set(steps)) == len(steps) >= STEPS - len(recovered) and steps[-1] == STEPS
+    # Every step's row once, though rank 0 was lost holding rows (a new rank 0 sends them).
+    assert [r["step"] for r in result.history if "loss" in r] == list(range(1, STEPS + 1)), outline(result.events)
     assert [r["world_size"] for r in result.history if "loss" in r][-1] == 3, result.events
     dropped = [d for r in recovered for d in r["dropped"]]
     grown = [e for e in of(result.events, "resized") if e["cause"] == "lost workers replaced"]

@@ -63,8 +63,10 @@ def test_three_kills_end_bit_identical_to_an_undisturbed_run(undisturbed, tmp_pa
     assert len(recovered) == 3 and all(r["steps_lost"] <= 1 for r in recovered)
     assert [r["step"] for r in recovered] == [5, 11, 17]  # each kill came right after its step
     assert all(r["replaced"] and r["seconds"] > 0 for r in recovered)
-    train_steps = [r["step"] for r in result.history if "loss" in r]
-    assert len(train_steps) == len(set(train_steps))  # a redone step is not logged twice
+    # Every step's row once: a redone step is not logged twice, and none is lost with a
+    # worker, though each kill left rows no flush had reported yet (log_every_n_steps 4),
+    # and the first took rank 0 with what it had not handed to the driver.
+    assert [r["step"] for r in result.history if "loss" in r] == list(range(1, 25))
     assert result.metrics["step"] == 24
     assert_no_leaks()
 
@@ -208,8 +210,8 @@ def test_a_spare_still_building_is_not_waited_for_where_the_survivors_can_go_on(
         held.unlink(missing_ok=True)
         slow.unlink()
     result = run.result()
-    steps = [r["step"] for r in result.history if "loss" in r]
-    assert steps[-1] == 1200 and len(steps) == len(set(steps)) and recovered["steps_lost"] <= 1
+    assert [r["step"] for r in result.history if "loss" in r] == list(range(1, 1201))
+    assert recovered["steps_lost"] <= 1
     assert spare not in run.pids()  # the replacement joined; the spare was never taken
     assert_no_leaks()
 

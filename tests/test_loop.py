@@ -100,6 +100,25 @@ def test_per_worker_policy_keeps_the_worker_batch_and_scales_the_lr():
     assert all(torch.equal(weights[k], expected[k]) for k in weights)
 
 
+def test_a_survivors_state_carries_its_recent_rows_for_a_new_rank_0_to_send_again():
+    """Rank 0 may die holding rows the driver has not read: the state a survivor gives
+    holds the newest rows (every rank keeps them), and a loop that goes on from it as
+    rank 0 sends them again before its own (the driver keeps the first of each step). A
+    checkpoint holds none: a resume's driver has them."""
+    survivor = per_worker_loop(max_steps=5, val_every_n_steps=4)
+    survivor.fit()
+    given = survivor.state_dict()
+    assert [(r["step"], "val_loss" in r) for r in given["loop"]["rows"]] == [
+        (1, False), (2, False), (3, False), (4, False), (4, True), (5, False), (5, True)]
+    assert survivor.checkpoint_state()["loop"]["rows"] == []
+    rows = []
+    per_worker_loop(rows, state=given, max_steps=6).fit()
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    rows = []
+    per_worker_loop(rows, state=survivor.checkpoint_state(), max_steps=6).fit()
+    assert [r["step"] for r in rows if "loss" in r] == [6]
+
+
 def test_a_batch_that_outgrows_the_rest_of_the_epoch_ends_it():
     """The data position is a sample offset: state taken at 5 x 16 = 80 of 100 samples,
     resumed where the global batch is 32, leaves 20 < 32, so epoch 0 ends (validated)
@@ -108,7 +127,7 @@ def test_a_batch_that_outgrows_the_rest_of_the_epoch_ends_it():
     small.fit()
     assert (small.epoch, small.position) == (0, 80)
     rows = []
-    big = per_worker_loop(rows, base_world_size=1, state=small.state_dict(), max_steps=6)
+    big = per_worker_loop(rows, base_world_size=1, state=small.checkpoint_state(), max_steps=6)
     assert big.plan.global_batch_size == 32 and (big.epoch, big.position) == (0, 80)
     big.fit()
     assert [(r["step"], r["epoch"], "val_loss" in r) for r in rows] == [

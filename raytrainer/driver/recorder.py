@@ -25,15 +25,22 @@ class Recorder:
         self._rows_at: list[tuple[float, int]] = []  # (when, step) of the last training rows
 
     def fresh(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The rows not recorded before, counted as recorded now. A training row at or before
-        the last one recorded was re-sent by a worker that redid a step after a recovery:
-        the first one stands."""
-        rows = [r for r in rows if r["step"] > (self.val_step if _is_val(r) else self.train_step)]
-        if rows:
-            self.train_step = max([self.train_step] + [r["step"] for r in rows if not _is_val(r)])
-            self.val_step = max([self.val_step] + [r["step"] for r in rows if _is_val(r)])
+        """The rows not recorded before, counted as recorded now. A row at or before the last
+        one of its kind recorded was sent again: by a worker that redid a step after a
+        recovery, or by a new rank 0 with the rows the lost one may not have delivered
+        (window.py), in the same batch as the originals where rank 0 survived. The first
+        one stands."""
+        fresh = []
+        for row in rows:
+            if _is_val(row) and row["step"] > self.val_step:
+                self.val_step = row["step"]
+                fresh.append(row)
+            elif not _is_val(row) and row["step"] > self.train_step:
+                self.train_step = row["step"]
+                fresh.append(row)
+        if fresh:
             self._rows_at = self._rows_at[-1:] + [(time.monotonic(), self.train_step)]
-        return rows
+        return fresh
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         """Fresh rows to the sinks, and to the driver callbacks, which see the same

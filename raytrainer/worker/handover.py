@@ -113,7 +113,7 @@ def leave(loop: Loop) -> dict[str, torch.Tensor] | None:
     if not loop.cfg.fast_dev_run:
         # The end of the run (a no-op if this step is saved): tried again if it fails, and
         # the run fails (StorageError) only if it cannot be made.
-        loop.saver.save(loop.step, loop.state_dict, loop.latest_metrics, final=True)
+        loop.saver.save(loop.step, loop.checkpoint_state, loop.latest_metrics, final=True)
         loop.saver.finish()
     loop.stop_reason = loop.stop_reason or ("fast_dev_run" if loop.cfg.fast_dev_run else "completed")
     loop.callbacks("on_run_end", loop)

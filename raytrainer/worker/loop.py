@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,7 +65,7 @@ from .validation import AsyncValidation
 from .nonfinite import NonFiniteSteps
 from .outputs import StepOutputs
 from .warm import Prebuilt, train_state
-from .window import MetricsWindow, Report
+from .window import RECENT_ROWS, MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
@@ -199,6 +200,8 @@ class Loop:
             self.callbacks("on_run_start", self)
         self.model.train()
         self._last_time = time.perf_counter()  # set-up time is not training throughput
+        if self.rank == 0 and self.window.recent:  # a recovery's new rank 0: the rows the lost one may have held
+            self.window.sink([r for r in self.window.recent if r["step"] <= self.step])
         while True:
             if self._after_pending:
                 self._after_step()
@@ -301,16 +304,21 @@ class Loop:
 
     def flush(self, wait: bool = False) -> None:
         """Reduce the buffered steps' metrics over ranks and report them (see window.py)."""
-        keys = (self.outputs.keys["train"] or []) + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
         # Carried steps sent their ask with their gradients (train_step); a window sends it here.
         ask = self.strategy.carrier is None and self._save_wanted()
-        self._pause_agreed |= self.window.flush(keys, self.world_size, pause_requested=self.pause_requested,
+        self._pause_agreed |= self.window.flush(self._row_keys(), self.world_size, pause_requested=self.pause_requested,
                                                 wait=wait, save_requested=ask)
+
+    def _row_keys(self) -> list[str]:
+        """The names of a training row's metrics, in the order the step holds them."""
+        return (self.outputs.keys["train"] or []) + (["grad_norm"] if self.cfg.grad_clip_norm is not None else [])
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
-        """The training state after `self.step` (on every rank the same, when replicated)."""
+    def state_dict(self, rows: bool = True) -> dict[str, Any]:
+        """The training state after `self.step` (on every rank the same, when replicated);
+        with the recent metric rows for a worker that takes it in a recovery (window.py),
+        not for a checkpoint (`rows` False: a resume's driver has them in metrics.jsonl)."""
         return {
             **self.train.state_dict(),
             "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
@@ -319,7 +327,8 @@ class Loop:
                      "best": self.stopping.best,
                      "bad_validations": self.stopping.bad_validations, "after_pending": self._after_pending,
                      "stop_reason": self.stop_reason,
-                     "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size},
+                     "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size,
+                     "rows": [r for r in self.window.recent if r["step"] <= self.step] if rows else []},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -338,6 +347,7 @@ class Loop:
         self.stopping.best, self.stopping.bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
         self.saver.saved_step = self.step
+        self.window.recent = deque(saved.get("rows", ()), maxlen=RECENT_ROWS)
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
@@ -345,9 +355,12 @@ class Loop:
         metrics = self.latest_metrics
         if self.validation is not None:
             metrics = self.validation.manifest_metrics(metrics)
-        self.saver.save(self.step, self.state_dict, metrics)
+        self.saver.save(self.step, self.checkpoint_state, metrics)
         if wait:
             self.saver.finish()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.state_dict(rows=False)
 
     def _save_wanted(self) -> bool:
         """Rank 0 asks for a checkpoint when checkpoint.every_n_minutes has passed on its
@@ -363,7 +376,7 @@ class Loop:
         """Undo what a step interrupted half-way changed, so the state is that after
         `self.step`: gradients, BatchNorm running statistics, metrics not yet reduced."""
         self.train.abandon_step()
-        self.window.clear()
+        self.window.clear(self._row_keys(), self.world_size)
         self._save_asked = False  # the step that carried the ask was abandoned: ask again
         if self.strategy.carrier is not None:
             self.strategy.carrier.clear()
@@ -375,7 +388,7 @@ class Loop:
         """Continue in a re-formed process group (the default group, already initialised)
         as `rank` (ranks are renumbered when the group shrinks)."""
         self.rank, self.world_size = rank, world_size
-        self.window.report = (report_to or self._report) if rank == 0 else _drop
+        self.window.sink = (report_to or self._report) if rank == 0 else _drop
         self.saver.rank = rank
         self.plan = self._plan()
         self.train_input.regroup(self.plan, rank, self.step)

@@ -20,6 +20,7 @@ at the same step boundary with no extra message.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -84,9 +85,20 @@ class Carrier:
         self.outgoing = self.reduced = None
 
 
+RECENT_ROWS = 256
+"""The rows a rank keeps for a new rank 0 to send again (a few seconds of training at the
+driver's polls, at hundreds of steps a second)."""
+
+
 class MetricsWindow:
-    def __init__(self, report: Report, waiting: Callable[[], contextlib.AbstractContextManager]):
-        self.report = report  # where reduced rows go (rank 0: the driver; others: nowhere)
+    def __init__(self, sink: Report, waiting: Callable[[], contextlib.AbstractContextManager]):
+        self.sink = sink  # where reduced rows go (rank 0: the driver; others: nowhere)
+        # The newest rows reported, on every rank (reduced: the same on all) and in the state a
+        # survivor gives: rank 0 may die holding rows the driver has not read yet, and after a
+        # recovery the new rank 0 (a survivor, or a replacement that took a survivor's state)
+        # sends them again (Loop.fit; the driver keeps the first row of each step). Your own
+        # loop keeps its rows the same way (userloop.py).
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_ROWS)
         self._waiting = waiting  # marks the wait for peers (the driver's hang check)
         # (host fields, metrics on the device, their carried sums or None), a step each
         self._window: list[tuple[dict[str, Any], torch.Tensor | None, Any]] = []
@@ -131,22 +143,39 @@ class MetricsWindow:
             self.save_agreed |= save
             self._report(keys, window, [m[:-1] for m in means])
         if ready is not None:
-            means = []
-            for _, same, sums in ready:  # sums: on the host already where the step checked its loss
-                m = [v / world_size for v in (sums if isinstance(sums, list) else sums.tolist())]
-                pause, save = decode_flags(m[-1], world_size)
-                agreed |= pause
-                self.save_agreed |= save
-                means.append(m[:-1] + (same.tolist() if same is not None else []))
-            self._report(keys, ready, means)
+            pause, save = self._report_carried(keys, ready, world_size)
+            agreed |= pause
+            self.save_agreed |= save
         return agreed
+
+    def _report_carried(self, keys: list[str], window: list, world_size: int) -> tuple[bool, bool]:
+        """Report steps whose sums over ranks came with their gradients; return whether some
+        rank asked to pause, and to save, in them."""
+        means, pause, save = [], False, False
+        for _, same, sums in window:  # sums: on the host already where the step checked its loss
+            m = [v / world_size for v in (sums if isinstance(sums, list) else sums.tolist())]
+            asked = decode_flags(m[-1], world_size)
+            pause, save = pause or asked[0], save or asked[1]
+            means.append(m[:-1] + (same.tolist() if same is not None else []))
+        self._report(keys, window, means)
+        return pause, save
 
     def _report(self, keys: list[str], window: list, means: list[list[float]]) -> None:
         rows = [{**info, **dict(zip(keys, v))} for (info, _, _), v in zip(window, means)]
         self.latest.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
         self.report(rows)
 
-    def clear(self) -> None:
-        """Drop what a step abandoned half-way buffered (its peers never reduced it)."""
-        self._window, self._pending = [], []
+    def report(self, rows: list[dict[str, Any]]) -> None:
+        """Rows to the sink, kept among the recent ones."""
+        self.recent.extend(rows)
+        self.sink(rows)
+
+    def clear(self, keys: list[str], world_size: int) -> None:
+        """Drop what a step abandoned half-way buffered (its peers never reduced it). The
+        steps before it whose sums came with their gradients are whole: reported first (with
+        log_every_n_steps above 1 they wait for a flush), their asks to pause or save
+        dropped (the group re-forms; a pause is asked again, a save falls due again)."""
+        window, self._window, self._pending = self._window, [], []
+        if window and window[0][2] is not None:
+            self._report_carried(keys, window, world_size)
         self.save_agreed = False
