@@ -25,20 +25,27 @@ def _stall(path):
         time.sleep(0.1)
 
 
+def _wait_while(path, every_s=0.05):
+    """Until the file `path` does not exist (a test holds a run in place with it)."""
+    import os
+    import time
+
+    while os.path.exists(path):
+        time.sleep(every_s)
+
+
 def _hold_ahead(path):
     """A build of the task ahead (a spare's or a newcomer's, on the worker's warm-up thread:
     worker/warm.py) waits while the file `path` exists, as a large model's build at nice 19
     takes long; each process waiting writes its pid to `path`.waiting first."""
     import os
     import threading
-    import time
 
     if threading.current_thread().name != "raytrainer-warm-up" or not os.path.exists(path):
         return
     with open(f"{path}.waiting", "a") as f:
         f.write(f"{os.getpid()}\n")
-    while os.path.exists(path):
-        time.sleep(0.05)
+    _wait_while(path)
 
 
 class RegressionTask(Task):
@@ -118,11 +125,7 @@ class RegressionTask(Task):
             with open(f"{self.steps_to}{os.getpid()}", "w") as f:
                 f.write(str(self.steps))
         if self.hold and self.steps >= self.hold[1]:
-            import os
-            import time
-
-            while os.path.exists(self.hold[0]):
-                time.sleep(0.05)
+            _wait_while(self.hold[0])
         if self.record:  # every sample index this rank trains on, one line per micro-batch
             import torch.distributed as dist
 
@@ -502,16 +505,14 @@ def gated_loop(ctx, loop, gate, hold_at, **args):
     earlier step is in metrics.jsonl cannot find the run already over (the driver writes
     rows behind the workers, by seconds on a loaded machine); it deletes the gate after."""
     import importlib
-    import os
-    import time
 
     module, name = loop.split(":")
     report, reported = ctx.report, [ctx.step]
 
     def gated(metrics, *a, **k):
         reported[0] = int(metrics.get("step", reported[0] + 1))
-        while reported[0] >= hold_at and os.path.exists(gate):
-            time.sleep(0.01)
+        if reported[0] >= hold_at:
+            _wait_while(gate, every_s=0.01)
         return report(metrics, *a, **k)
 
     ctx.report = gated
