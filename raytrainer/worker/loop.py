@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -65,7 +64,7 @@ from .validation import AsyncValidation
 from .nonfinite import NonFiniteSteps
 from .outputs import StepOutputs
 from .warm import Prebuilt, train_state
-from .window import RECENT_ROWS, MetricsWindow, Report
+from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
@@ -347,7 +346,8 @@ class Loop:
         self.stopping.best, self.stopping.bad_validations = saved["best"], saved["bad_validations"]
         self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
         self.saver.saved_step = self.step
-        self.window.recent = deque(saved.get("rows", ()), maxlen=RECENT_ROWS)
+        self.window.recent.clear()
+        self.window.recent.extend(saved.get("rows", ()))
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
