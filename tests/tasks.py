@@ -291,13 +291,15 @@ class RecordingSink:
 
 class StopServer:
     """A driver callback that SIGKILLs a server's process group once a given step's row
-    arrives, and returns once its port refuses connections: the tracking server goes away
-    mid-run, at a known step."""
+    arrives (and, given `tracking_uri`, the logger has made its MLflow run there), and
+    returns once its port refuses connections: the tracking server goes away mid-run, at a
+    known step."""
 
     on_driver = True
 
-    def __init__(self, pgid, port, step):
+    def __init__(self, pgid, port, step, tracking_uri=None):
         self.pgid, self.port, self.step, self.done = pgid, port, step, False
+        self.tracking_uri = tracking_uri
 
     def on_metrics(self, ctx, row):
         import os
@@ -308,6 +310,15 @@ class StopServer:
         if self.done or row["step"] < self.step:
             return
         self.done = True
+        if self.tracking_uri:  # not before the logger has started (on its own thread): a run exists
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(self.tracking_uri)
+            deadline = time.monotonic() + 60
+            while not client.search_runs([e.experiment_id for e in client.search_experiments()]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no MLflow run at {self.tracking_uri} after 60 s")
+                time.sleep(0.1)
         os.killpg(self.pgid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
