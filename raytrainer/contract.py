@@ -275,7 +275,10 @@ class WorkerGroup(Protocol):
         """Every worker paused (for a stop): commit a checkpoint of the step they paused at;
         the rows and events (its checkpoint_committed) that came meanwhile."""
         ...
-    def shutdown(self) -> None: ...
+    def shutdown(self, keep: bool = False) -> None:
+        """Stop every worker; `keep`: the run finished, and workers' processes fit for
+        the driver's next run may be kept for it."""
+        ...
 
 
 WORKER_ACTOR = "raytrainer.worker.actor:Worker"

@@ -148,18 +148,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 def assert_no_leaks(timeout_s=10.0):
-    """No actor and no placement group left alive (ray.kill is asynchronous: wait a bit)."""
+    """No actor and no placement group left alive (ray.kill is asynchronous: wait a bit),
+    but the worker processes a finished run kept for the next (driver/group/kept.py)."""
     import time
 
     from ray._private import state
     from ray.util import placement_group_table
 
+    from raytrainer.driver.group import kept
+
     deadline = Deadline(timeout_s)
     while True:
         # Ray Data starts cluster-wide service actors (its stats and autoscaling actors),
         # detached, once per cluster; raytrainer never makes a detached actor.
+        keeping = {a._actor_id.hex() for a in kept.kept_actors()}
         alive = {k: a["ActorClassName"] for k, a in state.actors(actor_state_name="ALIVE").items()
-                 if not a["IsDetached"]}
+                 if not a["IsDetached"] and k not in keeping}
         pgs = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
         if not alive and not pgs:
             return

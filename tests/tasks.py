@@ -173,6 +173,26 @@ class TinyTask(RegressionTask):
         return self._data(8, 1)
 
 
+class LeakyTask(RegressionTask):
+    """Leaves something of its run in the worker's process: a thread still running
+    (`leave="thread"`) or an environment variable set (`leave="env"`)."""
+
+    def __init__(self, leave="thread", **kwargs):
+        super().__init__(**kwargs)
+        self.leave = leave
+
+    def build_model(self):
+        import os
+        import threading
+        import time
+
+        if self.leave == "thread":
+            threading.Thread(target=time.sleep, args=(3600,), name="left-by-the-task", daemon=True).start()
+        else:
+            os.environ["LEFT_BY_THE_TASK"] = "1"
+        return super().build_model()
+
+
 class FeatureTask(RegressionTask):
     """Plain SGD (an update is exactly -lr * grad) and hooks for the feature tests."""
 

@@ -59,8 +59,9 @@ class FakeGroup:
     def replacements(self, ranks):
         return []
 
-    def shutdown(self):
+    def shutdown(self, keep=False):
         self.calls.append(("shutdown",))
+        self.kept = keep
 
 
 WEIGHTS = RunEnd("finished", 3, stop_reason="completed", model_uri="weights")
@@ -91,6 +92,7 @@ def test_rows_reach_the_sinks_and_the_run_finishes(tmp_path):
     assert [e["event"] for e in log] == ["run_started", "group_formed", "finished"]
     assert log[1]["world_size"] == 2 and log[1]["total_steps"] == 3 and log[-1]["step"] == 3
     assert group.calls == [("start", 2), ("check_storage", 2), ("setup",), ("launch",), ("shutdown",)]
+    assert group.kept  # a finished run's worker processes may serve the next run (kept.py)
 
 
 def test_while_training_runs_a_poll_waits_until_a_check_is_due_and_while_recovering_the_shortest():
@@ -129,7 +131,7 @@ def test_a_worker_failure_fails_the_run_logs_it_and_shuts_down(tmp_path):
     failed = read(tmp_path / "events.jsonl")[-1]
     assert failed["event"] == "failed" and failed["rank"] == 1 and failed["step"] == 1
     assert "boom" in failed["cause"]
-    assert group.calls[-1] == ("shutdown",)
+    assert group.calls[-1] == ("shutdown",) and not group.kept
 
 
 def test_a_setup_failure_still_shuts_down(tmp_path):
@@ -138,7 +140,7 @@ def test_a_setup_failure_still_shuts_down(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         controller.run()
     events.close()
-    assert group.calls[-1] == ("shutdown",)
+    assert group.calls[-1] == ("shutdown",) and not group.kept
     assert read(tmp_path / "events.jsonl")[-1]["cause"] == "interrupted"
 
 

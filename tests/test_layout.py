@@ -94,7 +94,7 @@ def test_the_driver_does_not_load_torch_or_the_worker_package():
 
 INTERNALS = {"raytrainer.worker._internals", "raytrainer.driver._internals"}
 # Underscored but documented as public by the standard library.
-STDLIB = {"sys._current_frames", "os._exit"}
+STDLIB = {"sys._current_frames", "os._exit", "threading._DummyThread"}
 
 
 def _private(name: str) -> bool:

@@ -103,8 +103,9 @@ class DrainedGroup:
         self.calls.append(("reform", tuple(dead), tuple(leave)))
         return Reformed(step=2, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
 
-    def shutdown(self):
+    def shutdown(self, keep=False):
         self.calls.append(("shutdown",))
+        self.kept = keep
 
 
 def rows(*steps):

@@ -215,7 +215,7 @@ class Controller:
                             **({"reason": self._gave_up} if self._gave_up else {}))
             raise
         finally:
-            self.group.shutdown()
+            self.group.shutdown(keep=self.state is State.FINISHED)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -32,7 +32,7 @@ from ..config import load_config
 from ..contract import CopiedState, Holdings, Node, RunEnd, Reshard, Snapshot, Status
 from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
-from . import building, control
+from . import building, control, keeping
 from .forming import Forming, load, resolve
 from .warm import adopt
 
@@ -188,6 +188,20 @@ class Worker:
             return RunEnd("paused", self.loop.step, time=time.time())
         return RunEnd("finished", self.loop.step, stop_reason=self.loop.stop_reason,
                       model_uri=self._save_model(weights) if weights is not None else None)
+
+    def release(self) -> str | None:
+        """After a run that finished: let go of what it made here; None where this process
+        may serve the driver's next run (keeping.py), else why not (it is killed then)."""
+        return keeping.release(self)
+
+    def renew(self, config: dict[str, Any], payload: bytes | None = None, spare: bool = False,
+              warm: bool = False, cwd: str | None = None) -> str | None:
+        """A released process taken by a new run: a fresh Worker of that run here (as if
+        made with these arguments); None, or why it cannot be (it is killed then)."""
+        why = keeping.renewable(cwd)
+        if why is None:
+            self.__init__(config, payload, spare=spare, warm=warm, cwd=cwd)
+        return why
 
     # ------------------------------------------------------------------ control (answered while run() trains)
 
@@ -393,6 +407,8 @@ class _WarmUp:
         _internals.import_dynamo()
 
         from . import loop, snapshot  # noqa: F401
+
+        keeping.note_start()  # torch's imports set variables of their own
 
         # torch, dynamo and Ray leave ~330,000 objects to Python's cyclic GC, which walks
         # them all at each full collection: 0.43 s in the middle of a survivor's re-forming

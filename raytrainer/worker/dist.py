@@ -25,8 +25,18 @@ def choose_backend(setting: str, use_gpu: bool) -> str:
 def use_worker_cpus(resources_per_worker: dict[str, float] | None) -> None:
     """A CPU worker's intra-op threads: its CPUs (resources_per_worker, default 1), as Ray
     sets OMP_NUM_THREADS for an actor that asks for them. A spare (it asks for none) would
-    otherwise take every core of the node from the training workers."""
-    torch.set_num_threads(max(1, int((resources_per_worker or {}).get("CPU", 1))))
+    otherwise take every core of the node from the training workers, as would a CPU worker
+    pinned beside its slot (driver/group/actors.start_worker)."""
+    _worker_cpus[0] = float((resources_per_worker or {}).get("CPU", 1))
+    torch.set_num_threads(max(1, int(_worker_cpus[0])))
+
+
+_worker_cpus = [1.0]
+
+
+def worker_cpus() -> float:
+    """The CPUs a worker of this run holds in its slot (use_worker_cpus)."""
+    return _worker_cpus[0]
 
 
 def choose_device(use_gpu: bool) -> torch.device:

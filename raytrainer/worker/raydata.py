@@ -125,8 +125,10 @@ def _check_room(world_size: int) -> None:
     a cluster the workers fill (2 workers on a 2-CPU machine) they would wait forever."""
     import ray
 
+    from .dist import worker_cpus
+
     total = ray.cluster_resources().get("CPU", 0)
-    held = world_size * ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+    held = world_size * worker_cpus()  # its slot's: the worker itself may hold none (actors.start_worker)
     if total - held < 1:
         raise ConfigError(
             f"the Ray Data training dataset needs CPUs for its read and map tasks, but the "

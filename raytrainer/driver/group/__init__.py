@@ -27,7 +27,7 @@ from ...checkpoint import CheckpointRef
 from ...config import Config
 from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
 from ..storage_check import check_shared_storage
-from . import actors, reforming
+from . import actors, kept, reforming
 from .actors import Roster, control, gather, start_worker, worker_bundle
 from .drains import Moves, draining_nodes
 from .copies import KeptCopies
@@ -41,6 +41,7 @@ __all__ = ["RayWorkerGroup", "worker_bundle"]
 class RayWorkerGroup:
     def __init__(self, config: Config, use_gpu: bool, *, cluster_can_grow: bool = True,
                  run_dir: Path | None = None):
+        kept.keep_s()  # a bad RAYTRAINER_KEEP_WORKERS: a clear error now, not at the run's end
         self.config = config
         self.run_dir = run_dir
         self.use_gpu = use_gpu
@@ -150,7 +151,14 @@ class RayWorkerGroup:
         except ray.exceptions.RayActorError:
             return [], []  # rank 0 died; its run() ref says why
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = False) -> None:
+        """Kill every worker and spare; `keep` (the run finished): keep the processes fit
+        for the next run of this driver instead (kept.py)."""
+        if keep and actors.keepable(self.config, self.bundle):
+            placed = len(self.roster.nodes)
+            kept.keep([(a, n.node_id) for a, n in zip(self.roster.actors, self.roster.nodes)]
+                      + self.spares.let_go_up())
+            self.roster.actors = self.roster.actors[placed:]
         for actor in self.roster.actors:
             ray.kill(actor, no_restart=True)
         self.moves.shutdown()

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ...config import Config
@@ -21,6 +22,7 @@ from ...contract import WORKER_ACTOR, Failure, Node
 from ...errors import PeerFailure, RaytrainerError, WorkerError
 from ...task import import_object
 from .._internals import is_placement_group_resource
+from . import kept
 
 # Calls the driver makes while run() trains or is blocked: a concurrency group of their
 # own, so that a worker stuck in a collective still answers them.
@@ -52,24 +54,61 @@ def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
 
 
 def start_worker(config: Config, bundle: dict[str, float], slot: Slot, joining: bool = True) -> Any:
-    """A worker actor in `slot`, holding its resources. `joining`: it will join a running
-    group (a replacement, a newcomer), taking a survivor's state; it builds the task's
-    training state as it starts (worker/warm.py), not in the pause of the join."""
+    """A worker for `slot`, holding its resources. `joining`: it will join a running group
+    (a replacement, a newcomer), taking a survivor's state; it builds the task's training
+    state as it starts (worker/warm.py), not in the pause of the join.
+
+    A CPU worker of a Task trained with DDP runs on the slot's node beside the slot's
+    placement group (which holds the resources), not in it: a finished run can then keep
+    its process for the next run of this driver (kept.py), which takes it here."""
+    args, kwargs = (config.to_dict(), config.task.payload), {"warm": joining, "cwd": config.run.cwd}
+    node = placed_on(slot) if keepable(config, bundle) else None
+    if node is not None:
+        return kept.take(node, *args, **kwargs) or _pinned(node).remote(*args, **kwargs)
     extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     pg, index = slot
     return _remote_worker().options(
         num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=extra or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(config.to_dict(), config.task.payload, warm=joining, cwd=config.run.cwd)  # payload: its object-store ref
+    ).remote(*args, **kwargs)  # the payload: its object-store ref
 
 
 def start_spare(config: Config, node_id: str) -> Any:
     """A spare on `node_id`: it takes no resources, and waits, torch imported, until it
     replaces a lost worker of that node in its slot. Pinned to the node, not to a slot's
     placement group: a group removed (a lost or drained node's) would take it along."""
+    args, kwargs = (config.to_dict(), config.task.payload), {"spare": True, "cwd": config.run.cwd}
+    return ((kept.take(node_id, *args, **kwargs) if keepable(config, {}) else None)
+            or _pinned(node_id).remote(*args, **kwargs))
+
+
+def keepable(config: Config, bundle: dict[str, float]) -> bool:
+    """Whether the process of a worker with `bundle` may be kept for the next run
+    (kept.py): a worker of one CPU (or less) training a Task with DDP. A GPU worker needs
+    its GPU assigned at creation, in its slot; Ray sets OMP_NUM_THREADS to an actor's CPUs
+    at its start, which a process kept for runs of any size cannot follow (1 for one that
+    holds none, as for a 1-CPU worker); your own loop, and FSDP, may leave state in the
+    process that keeping.py cannot see."""
+    return (not bundle.get("GPU") and bundle.get("CPU", 0) <= 1 and not config.task.is_loop
+            and config.trainer.strategy == "ddp")
+
+
+def placed_on(slot: Slot) -> str | None:
+    """The node `slot`'s placement group holds its bundle on; None while it is not placed."""
+    pg, index = slot
+    try:
+        table = placement_group_table(pg)
+    except Exception:  # noqa: BLE001 (removed meanwhile)
+        return None
+    if table.get("state") != "CREATED":
+        return None
+    return table.get("bundles_to_node_id", {}).get(index)
+
+
+def _pinned(node_id: str) -> Any:
+    """The worker actor class, placed on `node_id` and holding no resources."""
     return _remote_worker().options(
-        num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(config.to_dict(), config.task.payload, spare=True, cwd=config.run.cwd)
+        num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
 def alive_nodes() -> set[str]:

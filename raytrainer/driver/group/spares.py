@@ -94,6 +94,13 @@ class WarmSpares:
         for spare in [s for s in self.spares if s.node not in node_ids]:
             self._let_go(spare)
 
+    def let_go_up(self) -> list[tuple[Any, str]]:
+        """The spares that are up, (actor, node id) each, no longer this run's (a finished
+        run keeps them for the next: kept.py); the others stay, for shutdown()."""
+        up = [s for s in self.spares if _answered(s.up)]
+        self.spares = [s for s in self.spares if s not in up]
+        return [(s.actor, s.node) for s in up]
+
     def shutdown(self) -> None:
         for spare in self.spares:
             ray.kill(spare.actor, no_restart=True)
