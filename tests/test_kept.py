@@ -144,3 +144,16 @@ def test_a_bad_keep_setting_is_a_clear_error_before_the_run_starts(ray_local, tm
         raytrainer.train(config(tmp_path, "bad"), progress=False)
     assert_no_leaks()
 
+
+def test_the_bench_of_a_later_run_sets_kept_processes_against_new_ones(ray_local):
+    from raytrainer.bench import again
+
+    figures = again.measure(runs=1, workers=2, steps=4)
+    assert figures["runs"] == 1 and kept.kept_actors() == []  # it leaves nothing kept
+    for name in ("new_run_s", "kept_run_s", "new_formed_s", "kept_formed_s"):
+        assert 0 < figures[name]["min"] <= figures[name]["median"] <= figures[name]["max"], name
+    assert figures["kept_over_new"] == pytest.approx(figures["kept_run_s"]["median"] / figures["new_run_s"]["median"])
+    table = again.format_figures(figures)
+    assert f"| {figures['new_run_s']['median']:.2f} (" in table and "kept over new (the run):" in table
+    assert os.environ.get("RAYTRAINER_KEEP_WORKERS") is None  # as it found it
+    assert_no_leaks()
