@@ -312,14 +312,15 @@ class RecordingSink:
 class StopServer:
     """A driver callback that SIGKILLs a server's process group once a given step's row
     arrives (and, given `tracking_uri`, the logger has made its MLflow run there), and
-    returns once its port refuses connections: the tracking server goes away mid-run, at a
-    known step."""
+    returns once its port refuses connections, removing the file `release` (a run held
+    there goes on): the tracking server goes away mid-run, at a known step, with every
+    later row still to come."""
 
     on_driver = True
 
-    def __init__(self, pgid, port, step, tracking_uri=None):
+    def __init__(self, pgid, port, step, tracking_uri=None, release=None):
         self.pgid, self.port, self.step, self.done = pgid, port, step, False
-        self.tracking_uri = tracking_uri
+        self.tracking_uri, self.release = tracking_uri, release
 
     def on_metrics(self, ctx, row):
         import os
@@ -345,6 +346,8 @@ class StopServer:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
             except OSError:
+                if self.release:  # the run, held after this step (RegressionTask(hold=...)), goes on
+                    os.remove(self.release)
                 return
             time.sleep(0.05)
         raise RuntimeError(f"the server on port {self.port} still answers")

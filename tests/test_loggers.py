@@ -233,9 +233,12 @@ def test_training_goes_on_when_the_tracking_server_stops(ray_local, tmp_path, mo
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once: no need to wait out retries here
     with mlflow_server(tmp_path / "mlflow") as (uri, pgid, port):
         loggers = [{"type": "mlflow", "tracking_uri": uri}]
+        hold = tmp_path / "hold"  # step 5 waits until the server is down (step 3's row comes with step 4)
+        hold.touch()
         stop = {"target": "tests.tasks:StopServer", "args": {"pgid": pgid, "port": port, "step": 3,
-                                                              "tracking_uri": uri}}
+                                                              "tracking_uri": uri, "release": str(hold)}}
         cfg = config(tmp_path, "down", loggers, trainer={"max_steps": 8})
+        cfg["task"]["args"] = {"hold": [str(hold), 5]}
         cfg["callbacks"] = [stop]
         with pytest.warns(RuntimeWarning, match=rf"logger mlflow \({uri}\)") as warned:
             result = raytrainer.train(cfg, progress=False)
