@@ -179,8 +179,25 @@ def loader_processes() -> list[str]:
     is not counted; the loader processes it forked are."""
     from .ray_procs import live_processes
 
+    kept = kept_worker_pids()
     return [f"{pid} (parent {ppid}): {cmdline[:80]!r}" for pid, ppid, cmdline in live_processes(ours_only=True)
-            if b"raytrainer.worker.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()]
+            if b"raytrainer.worker.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()
+            and not (ppid in kept and b"multiprocessing.forkserver import main" in cmdline)]
+
+
+def kept_worker_pids() -> set[int]:
+    """The processes of the workers a finished run kept for the next (driver/group/kept.py):
+    the fork server each keeps, as this process keeps its own, is not a leak."""
+    import ray
+
+    from raytrainer.driver.group import kept
+
+    if not ray.is_initialized() or not kept.kept_actors():
+        return set()
+    from ray._private import state
+
+    ids = {a._actor_id.hex() for a in kept.kept_actors()}
+    return {a["Pid"] for k, a in state.actors(actor_state_name="ALIVE").items() if k in ids}
 
 
 def assert_no_loader_processes(timeout_s=10.0):

@@ -152,9 +152,11 @@ class RayWorkerGroup:
             return [], []  # rank 0 died; its run() ref says why
 
     def shutdown(self, keep: bool = False) -> None:
-        """Kill every worker and spare; `keep` (the run finished): keep the processes fit
-        for the next run of this driver instead (kept.py)."""
-        if keep and actors.keepable(self.config, self.bundle):
+        """Kill every worker and spare; `keep` (the run finished): on a Ray started for this
+        driver, keep the processes fit for its next run instead (kept.py)."""
+        # Only on a Ray of one node started for this driver: on a cluster a kept process
+        # would keep its node from being idle (an autoscaler's scale-down, a drained node's end).
+        if keep and not self.slots.cluster_can_grow and actors.keepable(self.config, self.bundle):
             placed = len(self.roster.nodes)
             kept.keep([(a, n.node_id) for a, n in zip(self.roster.actors, self.roster.nodes)]
                       + self.spares.let_go_up())
