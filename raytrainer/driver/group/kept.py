@@ -10,7 +10,8 @@ must be to be kept, and when it is not taken, is worker/keeping.py's.
 Kept processes hold no resources (a CPU worker runs pinned to its slot's node, beside the
 slot's placement group, which holds the slot's resources: actors.start_worker). They go
 when the driver process ends (Ray ends the actors a driver made), when its Ray is shut
-down, and otherwise after KEEP_S unused (RAYTRAINER_KEEP_WORKERS): a script's last run leaves nothing beyond that.
+down, and otherwise after KEEP_S unused (RAYTRAINER_KEEP_WORKERS): a script's last run
+leaves nothing beyond that.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def keep_s() -> float:
     except ValueError:
         raise ConfigError(f"RAYTRAINER_KEEP_WORKERS={value!r} must be a number of seconds "
                           "(0: no worker process kept between runs)") from None
+
+
+RELEASE_S = 10.0
+"""How long a finished run waits for its workers to say whether they can be kept (the
+run returns after it: a worker that has not answered is killed)."""
 
 RENEW_S = 30.0
 """How long a kept process gets to answer that it is taken (else a fresh one starts)."""
@@ -73,7 +79,7 @@ def keep(actors_on: list[tuple[Any, str]]) -> None:
     if not actors_on:
         return
     refs = [actor.release.remote() for actor, _ in actors_on]
-    ray.wait(refs, num_returns=len(refs), timeout=RENEW_S)
+    ray.wait(refs, num_returns=len(refs), timeout=RELEASE_S)
     until = time.monotonic() + seconds
     fit = []
     for (actor, node), ref in zip(actors_on, refs):

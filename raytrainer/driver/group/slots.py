@@ -223,14 +223,15 @@ class Slots:
     FREED_WITHIN_S = 1.0
 
     def shutdown(self) -> None:
-        """Kill the newcomers and remove every placement group, then wait (a little) until
-        Ray counts their room free again: the next run of this driver then reserves its
-        slots at once, where a group asked for before waits out Ray's retry (0.4-0.5 s on
-        a Ray whose CPUs the run held; 0.03-0.1 s to wait here, on the 2-core VM)."""
+        """Kill the newcomers and remove every placement group; on a Ray of one node started
+        for the driver, then wait (a little) until Ray counts their room free again: the
+        next run of this driver then reserves its slots at once, where a group asked for
+        before waits out Ray's retry (0.4-0.5 s on a Ray whose CPUs the run held; 0.03-0.1 s
+        to wait here, on the 2-core VM)."""
         for _, actor, _ in self.joining:
             ray.kill(actor, no_restart=True)
         self.joining = []
-        placed = [pg for pg in self.pgs if _state(pg) == "CREATED"]
+        placed = [] if self.cluster_can_grow else [pg for pg in self.pgs if _state(pg) == "CREATED"]
         before = ray.available_resources() if placed else {}
         for pg in self.pgs:
             remove_placement_group(pg)
