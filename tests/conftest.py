@@ -155,13 +155,11 @@ def assert_no_leaks(timeout_s=10.0):
     from ray._private import state
     from ray.util import placement_group_table
 
-    from raytrainer.driver.group import kept
-
     deadline = Deadline(timeout_s)
     while True:
         # Ray Data starts cluster-wide service actors (its stats and autoscaling actors),
         # detached, once per cluster; raytrainer never makes a detached actor.
-        keeping = {a._actor_id.hex() for a in kept.kept_actors()}
+        keeping = kept_actor_ids()
         alive = {k: a["ActorClassName"] for k, a in state.actors(actor_state_name="ALIVE").items()
                  if not a["IsDetached"] and k not in keeping}
         pgs = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
@@ -190,14 +188,19 @@ def kept_worker_pids() -> set[int]:
     the fork server each keeps, as this process keeps its own, is not a leak."""
     import ray
 
-    from raytrainer.driver.group import kept
-
-    if not ray.is_initialized() or not kept.kept_actors():
+    ids = kept_actor_ids()
+    if not ray.is_initialized() or not ids:
         return set()
     from ray._private import state
 
-    ids = {a._actor_id.hex() for a in kept.kept_actors()}
     return {a["Pid"] for k, a in state.actors(actor_state_name="ALIVE").items() if k in ids}
+
+
+def kept_actor_ids() -> set[str]:
+    """The actor ids of the worker processes kept for the next run (driver/group/kept.py)."""
+    from raytrainer.driver.group import kept
+
+    return {a._actor_id.hex() for a in kept.kept_actors()}
 
 
 def assert_no_loader_processes(timeout_s=10.0):
