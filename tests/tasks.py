@@ -311,7 +311,7 @@ class RecordingSink:
 
 class StopServer:
     """A driver callback that SIGKILLs a server's process group once a given step's row
-    arrives (and, given `tracking_uri`, the logger has made its MLflow run there), and
+    arrives (and, given `tracking_uri`, the logger has sent metrics to its MLflow run there), and
     returns once its port refuses connections, removing the file `release` (a run held
     there goes on): the tracking server goes away mid-run, at a known step, with every
     later row still to come."""
@@ -331,14 +331,19 @@ class StopServer:
         if self.done or row["step"] < self.step:
             return
         self.done = True
-        if self.tracking_uri:  # not before the logger has started (on its own thread): a run exists
+        if self.tracking_uri:
+            # Not before the logger has started, on its own thread: its run has metrics,
+            # sent only once its start (the run, then the config's params) is done. A run
+            # alone is not enough: a server killed between the two is a logger that could
+            # not start.
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(self.tracking_uri)
             deadline = time.monotonic() + 60
-            while not client.search_runs([e.experiment_id for e in client.search_experiments()]):
+            while not any(r.data.metrics for r in client.search_runs(
+                    [e.experiment_id for e in client.search_experiments()])):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"no MLflow run at {self.tracking_uri} after 60 s")
+                    raise RuntimeError(f"no MLflow run with metrics at {self.tracking_uri} after 60 s")
                 time.sleep(0.1)
         os.killpg(self.pgid, signal.SIGKILL)
         deadline = time.monotonic() + 30
