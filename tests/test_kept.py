@@ -38,14 +38,17 @@ def worker_pids():
     return {a["Pid"] for a in state.actors(actor_state_name="ALIVE").values() if a["ActorClassName"] == "Worker"}
 
 
-def test_a_second_run_trains_in_the_first_runs_processes_and_ends_the_same(ray_local, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_second_run_trains_in_the_first_runs_processes_and_ends_the_same(ray_local, tmp_path, strategy):
     kept.end_all()
-    raytrainer.train(config(tmp_path, "first"), progress=False)
-    first = formed(tmp_path / "first")["pids"]
-    assert len(kept.kept_actors()) == 2
-    assert_no_leaks()  # nothing but the two kept
-
-    raytrainer.train(config(tmp_path, "second"), progress=False)
+    for name in ("first", "second"):
+        cfg = config(tmp_path, name)
+        cfg["trainer"]["strategy"] = strategy
+        raytrainer.train(cfg, progress=False)
+        if name == "first":
+            first = formed(tmp_path / "first")["pids"]
+            assert len(kept.kept_actors()) == 2
+            assert_no_leaks()  # nothing but the two kept
     assert sorted(formed(tmp_path / "second")["pids"]) == sorted(first)
     one, two = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("first", "second"))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)

@@ -141,6 +141,10 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     from ..driver.api import init_ray
     from ..config import FailureConfig
 
+    # Each run's replacement a new process, as in a run of its own: a process the run before
+    # kept (driver/group/kept.py) would join at once, and the figures of recovery exact (a
+    # wait for a process to start) would measure nothing.
+    os.environ["RAYTRAINER_KEEP_WORKERS"] = "0"
     init_ray()  # as raytrainer.train would
     try:
         peers = kill_raytrainer(spec, work / "peers")

@@ -84,13 +84,14 @@ def start_spare(config: Config, node_id: str) -> Any:
 
 def keepable(config: Config, bundle: dict[str, float]) -> bool:
     """Whether the process of a worker with `bundle` may be kept for the next run
-    (kept.py): a worker of one CPU (or less) training a Task with DDP. A GPU worker needs
-    its GPU assigned at creation, in its slot; Ray sets OMP_NUM_THREADS to an actor's CPUs
-    at its start, which a process kept for runs of any size cannot follow (1 for one that
-    holds none, as for a 1-CPU worker); your own loop, and FSDP, may leave state in the
-    process that keeping.py cannot see."""
-    return (not bundle.get("GPU") and bundle.get("CPU", 0) <= 1 and not config.task.is_loop
-            and config.trainer.strategy == "ddp")
+    (kept.py): a worker of one CPU (or less) training a Task (DDP or FSDP). A GPU worker
+    needs its GPU assigned at creation, in its slot; Ray sets OMP_NUM_THREADS to an actor's
+    CPUs at its start, which a process kept for runs of any size cannot follow (1 for one
+    that holds none, as for a 1-CPU worker); your own loop may leave state in the process
+    that keeping.py cannot see (a framework's singletons). FSDP's meshes stay in torch's
+    registry of the process, but a run's meshes are named by a generation every rank agrees
+    on (sharded.default_mesh), so a later run never meets an earlier run's."""
+    return not bundle.get("GPU") and bundle.get("CPU", 0) <= 1 and not config.task.is_loop
 
 
 def placed_on(slot: Slot) -> str | None:
