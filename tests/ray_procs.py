@@ -22,10 +22,14 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: each socket held until all are chosen (one closed at once may
+    be handed out again by the next bind: `ray start` refused two components on one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def short_temp_dir() -> str:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from .conftest import ROOT
-from .ray_procs import free_port, short_temp_dir, token_env, wait_gone
+from .ray_procs import free_ports, short_temp_dir, token_env, wait_gone
 from .waits import Deadline
 
 pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
@@ -19,15 +19,15 @@ pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
 @pytest.fixture(scope="module")
 def head():
     temp_dir = short_temp_dir()
-    port, dash = free_port(), free_port()
+    port, dash, agent, client = free_ports(4)
     env = token_env()
     # Started from its temp dir, not the repo: task code can only reach the workers
     # through the job's --working-dir.
     proc = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
-         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+         f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         cwd=temp_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )
     env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"

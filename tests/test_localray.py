@@ -17,7 +17,7 @@ import yaml
 
 from raytrainer.driver import localray
 
-from .ray_procs import free_port, live_processes, processes_under, short_temp_dir, token_env, wait_gone
+from .ray_procs import free_ports, live_processes, processes_under, short_temp_dir, token_env, wait_gone
 from .tasks import RegressionTask
 from .waits import Deadline
 
@@ -241,22 +241,22 @@ def test_a_ray_the_user_starts_beside_the_kept_one_takes_jobs(kept, tmp_path):
     env = token_env()  # as tests/test_job_submit.py: whatever ~/.ray/auth_token holds
     env["RAY_TMPDIR"] = head_dir  # the head records itself there, not where other runs look
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    dash = free_port()
+    dash, gcs, client, agent, agent_grpc, metrics, runtime_env = free_ports(7)
     proc = subprocess.Popen(
-        [ray_cli, "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=1",
+        [ray_cli, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=1",
          "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}", f"--temp-dir={head_dir}",
+         f"--dashboard-port={dash}", f"--ray-client-server-port={client}", f"--temp-dir={head_dir}",
          "--disable-usage-stats",
          # Not the agent's default HTTP port (52365), even when free now: the agent of any other
          # Ray started on this machine meanwhile takes it if it is free (the other test session's,
          # a contender's), and an agent that cannot bind it never registers: "No available agent
          # to submit job" for 150 s (seen once in a full run). That the kept Ray holds no port
          # `ray start --head` takes by default is asserted above.
-         f"--dashboard-agent-listen-port={free_port()}",
+         f"--dashboard-agent-listen-port={agent}",
          # Free ports Ray would pick itself, given: its raylet then does not wait for its agents
          # to record theirs, which on a busy machine outlasts the 30 s a node has to start.
-         f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
-         f"--runtime-env-agent-port={free_port()}"],
+         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+         f"--runtime-env-agent-port={runtime_env}"],
         cwd=head_dir, env=env, stdout=(tmp_path / "ray-start.log").open("w"), stderr=subprocess.STDOUT)
     env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
     try:

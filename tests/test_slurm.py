@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from .conftest import ROOT
-from .ray_procs import free_port, short_temp_dir, token_env, wait_gone
+from .ray_procs import free_ports, short_temp_dir, token_env, wait_gone
 
 pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
 
@@ -36,17 +36,17 @@ def sbatch(tmp_path, *overrides, nodes="n1,n2"):
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    env = token_env()
+    env, ports = token_env(), free_ports(2)
     env.update(
         PATH=f"{bin_dir}:{env['PATH']}",
         # The job's environment has this checkout installed: driver and workers import it.
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
         SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=nodes,
         SLURM_NNODES=str(len(nodes.split(","))), SLURM_GPUS_ON_NODE="0", SLURM_CPUS_PER_TASK="1",
-        RAY_PORT=str(free_port()), RAY_TMPDIR=temp_dir,
+        RAY_PORT=str(ports[0]), RAY_TMPDIR=temp_dir,
         # Two raylets on one machine must not share the agent's and Ray Client's fixed ports.
         RAY_START_ARGS="--dashboard-agent-listen-port=0",
-        RAY_HEAD_ARGS=f"--ray-client-server-port={free_port()} --include-dashboard=false",
+        RAY_HEAD_ARGS=f"--ray-client-server-port={ports[1]} --include-dashboard=false",
     )
     try:
         return subprocess.run(
