@@ -12,15 +12,10 @@ import datetime
 import multiprocessing as mp
 import pickle
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .ray_procs import free_ports
 
 
 def _entry(fn, rank, world_size, port, results, args, kwargs):
@@ -58,7 +53,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 def _run_ranks(fn, world_size, args, kwargs, timeout_s) -> list[Any]:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
+    (port,) = free_ports(1)
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, kwargs), daemon=True)
              for r in range(world_size)]
     for p in procs:

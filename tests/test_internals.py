@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 
 import pytest
 import ray
@@ -18,6 +17,8 @@ import torch.distributed as dist
 from raytrainer.driver import _internals as driver_internals
 from raytrainer.worker import _internals
 from raytrainer.worker.actor import _peer_failure
+
+from .ray_procs import free_ports
 
 TORCH, RAY = f"torch {torch.__version__}", f"Ray {ray.__version__}"
 
@@ -138,12 +139,6 @@ def test_ddp_still_rebuilds_its_buckets_through_the_reducer_hook():
 # ---------------------------------------------------------------------------- a lost Gloo peer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank, world, port, how, results):
     """Join a Gloo group; rank 1 is lost (`how`); the others report what they raised."""
     torch.set_num_threads(1)
@@ -165,7 +160,7 @@ def _rank(rank, world, port, how, results):
 
 def _lost_peer(how: str, world: int = 2) -> list[tuple]:
     ctx = mp.get_context("fork")
-    results, port = ctx.Queue(), _free_port()
+    results, (port,) = ctx.Queue(), free_ports(1)
     procs = [ctx.Process(target=_rank, args=(r, world, port, how, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
