@@ -25,7 +25,7 @@ class Run:
 
     def _main(self, config, **kwargs):
         try:
-            self._result = raytrainer.train(config, progress=False, **kwargs)
+            self._result = raytrainer.train(config, **{"progress": False, **kwargs})
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             self._error = exc
 

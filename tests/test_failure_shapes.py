@@ -164,12 +164,12 @@ def test_two_workers_killed_a_third_of_a_second_apart(undisturbed, tmp_path):
 
 
 @pytest.mark.hangs
-def test_a_frozen_worker_is_the_only_one_replaced(undisturbed, tmp_path):
+def test_a_frozen_worker_is_the_only_one_replaced(undisturbed, tmp_path, capfd):
     # Frozen once a worker has trained step 5, as the workers write it: the driver's rows
     # trail them (by 3.6 s in a CI run), and waiting for those once let all 30 steps end
     # before the freeze (the run finished with no failure at all). Steps of 0.1 s (the
     # weights are the same) leave 2.5 s of training to land in.
-    run = Run(config(tmp_path, "frozen", sleep_s=0.1, steps_to=str(tmp_path / "at-")))
+    run = Run(config(tmp_path, "frozen", sleep_s=0.1, steps_to=str(tmp_path / "at-")), progress=True)
     run.wait_for_worker_step(tmp_path / "at-", 5)
     frozen = run.pids()[1]
     freeze(frozen)
@@ -181,6 +181,14 @@ def test_a_frozen_worker_is_the_only_one_replaced(undisturbed, tmp_path):
     assert len(recovered) == 1 and recovered[0]["replaced"] == [1] and recovered[0]["steps_lost"] <= 1
     assert recovered[0]["source_rank"] in (0, 2) and frozen not in recovered[0]["pids"]
     assert_no_leaks()
+    # The console says it in raytrainer's words; Ray's notice of the process raytrainer
+    # killed ("an unexpected system error ... the OOM killer") is not printed.
+    out, err = capfd.readouterr()
+    step = failed[0]["step"]
+    line = f"raytrainer: rank 1 ({failed[0]['node']}) hung at step {step}: no progress for "
+    assert line in err and "did not answer at all" in err.split(line)[1].splitlines()[0], err
+    assert f"raytrainer: recovered at step {recovered[0]['step']} in " in err, err
+    assert f"Worker PID: {frozen}" not in out + err, out
 
 
 @pytest.mark.hangs

@@ -76,6 +76,8 @@ NAMES = [
      "not printing Ray's token-auth notice for a Ray raytrainer starts (driver/_internals.quiet_token_auth_notice)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
+    (RAY, "ray._private.worker", "print_to_stdstream",
+     "not printing Ray's death notice of a worker raytrainer killed itself (driver/_internals.mute_death_notice)"),
     (RAY, "ray._private.authentication.authentication_token_setup", "maybe_enable_token_auth_if_token_available",
      "joining a kept local Ray that runs with token auth (driver/_internals.enable_token_auth)"),
 ]
@@ -101,6 +103,28 @@ def test_a_ray_that_ray_init_starts_can_still_be_given_a_free_dashboard_agent_po
     with driver_internals.no_fixed_ports():
         assert RayParams().dashboard_agent_listen_port not in (0, 52365, default.default)
     assert RayParams().dashboard_agent_listen_port == default.default
+
+
+def test_rays_death_notice_of_a_worker_raytrainer_killed_is_not_printed_and_any_other_is(capsys):
+    """driver/_internals.mute_death_notice, on a notice as Ray 2.60 words it (the frozen-worker
+    test of test_failure_shapes checks Ray's own, from a run)."""
+    import ray._private.worker as ray_worker
+
+    def notice(pid):
+        return {"pid": "raylet", "is_err": False, "lines": [
+            "A worker died or was killed while executing a task by an unexpected system error. To troubleshoot "
+            f"the problem, check the logs for the dead worker. Worker IP address: 10.0.0.1 Worker port: 33715 "
+            f"Worker PID: {pid} Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits"]}
+
+    driver_internals.mute_death_notice(4242001)
+    driver_internals.mute_death_notice(4242002)  # installed once, however often called
+    ray_worker.print_to_stdstream(notice(4242001), ignore_prefix=False)
+    ray_worker.print_to_stdstream(notice(4242002), ignore_prefix=False)
+    assert capsys.readouterr().out == ""
+    ray_worker.print_to_stdstream(notice(4242003), ignore_prefix=False)  # a death raytrainer did not cause
+    ray_worker.print_to_stdstream({"pid": 77, "is_err": False, "lines": ["a worker's own line"]}, ignore_prefix=False)
+    out = capsys.readouterr().out
+    assert "Worker PID: 4242003" in out and "a worker's own line" in out
 
 
 @pytest.mark.parametrize("whose,module,name,why", NAMES, ids=[f"{m}.{n}" for _, m, n, _ in NAMES])

@@ -1,6 +1,7 @@
 """The TensorBoard file holds every numeric metric of every row, at its step; a logger on
 its own thread never holds the driver up, and says once what went wrong."""
 
+import io
 import json
 import struct
 import threading
@@ -9,7 +10,7 @@ import pytest
 
 from tensorboardX.proto.event_pb2 import Event
 
-from raytrainer.driver.metrics import BackgroundSink, MetricsHub, RunInfo, SinkStates, TensorBoardSink
+from raytrainer.driver.metrics import BackgroundSink, MetricsHub, ProgressBar, RunInfo, SinkStates, TensorBoardSink
 
 
 def read_events(path):
@@ -129,3 +130,40 @@ def test_sink_states_keep_what_a_resumed_run_continues_from(tmp_path):
     info.remember("wandb /p", {"id": "w1"})
     assert json.loads((tmp_path / "loggers.json").read_text()) == {
         "mlflow http://x": {"run_id": "abc"}, "wandb /p": {"id": "w1"}}
+
+
+def test_the_console_says_each_recovery_with_the_failures_it_recovered_from():
+    stream = io.StringIO()
+    bar = ProgressBar(10, stream=stream, interval_s=0.0)
+    bar.write({"step": 3, "epoch": 0, "loss": 0.5, "world_size": 2})
+    died = {"event": "worker_failed", "step": 3, "rank": 1, "node": "10.0.0.2", "kind": "died",
+            "cause": "the worker process died (ActorDiedError): The actor died unexpectedly"}
+    bar.event(died)
+    assert "died" not in stream.getvalue()  # not yet: a failure the run ends on is its error
+    bar.event({"event": "recovered", "step": 3, "seconds": 0.04, "steps_lost": 0, "failures": 1,
+               "source_rank": 0, "state_from": "memory"})
+    bar.event({"event": "resized", "step": 3, "old_world_size": 2, "new_world_size": 1, "seconds": 0.04,
+               "cause": "failure: rank 1 died"})
+    bar.event({"event": "checkpoint_committed", "step": 3, "path": "x"})
+    assert stream.getvalue().splitlines()[1:] == [
+        "raytrainer: rank 1 (10.0.0.2) died at step 3: the worker process died (ActorDiedError): The actor died "
+        "unexpectedly",
+        "raytrainer: recovered at step 3 in 0.04 s from rank 0's state in memory, 0 step(s) lost "
+        "(1 failure(s) so far)",
+        "raytrainer: 2 -> 1 workers at step 3 (paused 0.04 s): failure: rank 1 died"]
+    # A user's error: its first line, and where its traceback is; then a recovery from storage.
+    stream.truncate(0), stream.seek(0)
+    bar.event({"event": "worker_failed", "step": 7, "rank": 0, "node": "10.0.0.1", "kind": "error",
+               "cause": "ValueError: bad batch\nmore", "traceback": "Traceback ...\nValueError: bad batch"})
+    bar.event({"event": "recovered", "step": 5, "seconds": 1.5, "steps_lost": 2, "failures": 2,
+               "state_from": "checkpoint", "from_checkpoint": "step-00000005"})
+    assert stream.getvalue().splitlines() == [
+        "raytrainer: rank 0 (10.0.0.1) failed at step 7: ValueError: bad batch (its traceback: events.jsonl)",
+        "raytrainer: recovered at step 5 in 1.50 s from checkpoint step-00000005, 2 step(s) lost "
+        "(2 failure(s) so far)"]
+    # The failure the run ends on: nothing here, the run raises it.
+    stream.truncate(0), stream.seek(0)
+    bar.event(died)
+    bar.event({"event": "failed", "step": 3, "error": "x"})
+    bar.event({"event": "left_node", "step": 4, "ranks": [1], "node": "10.0.0.2", "reason": "preempted"})
+    assert stream.getvalue().splitlines() == ["raytrainer: ranks [1] left node 10.0.0.2 at step 4: preempted"]

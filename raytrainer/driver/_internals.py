@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
+import time
 from typing import Any, Iterator
 
 
@@ -137,6 +139,50 @@ def enable_token_auth() -> None:
 
     with quiet_token_auth_notice():
         auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+_muted: dict[int, float] = {}  # pid -> when raytrainer killed it (time.monotonic())
+_MUTE_S = 600.0  # a pid Linux hands out again later is some other process's
+_DEATH_NOTICE = re.compile(r"A worker died or was killed while executing a task.*Worker PID: (\d+)", re.S)
+
+
+def mute_death_notice(pid: int) -> None:
+    """Ray's driver prints "(raylet) A worker died or was killed while executing a task by an
+    unexpected system error ... Worker PID: N ... (1) the process was killed by the OOM
+    killer ..." for every worker of the job that dies while it runs a call (a thread,
+    ray._private.worker.listen_error_messages, passes each to the module's
+    print_to_stdstream, looked up at every call). raytrainer kills workers itself: a hung
+    one, one left waiting in a collective after a peer's loss, a rank still starting when
+    the group's forming failed. For those Ray's notice misleads (an "unexpected system
+    error", the OOM killer), and raytrainer's own line says what happened (metrics.notice):
+    the notice of a process raytrainer killed is not printed; any other death's still is.
+    Without it: that notice again, before raytrainer's own error at a wrong task.target."""
+    import ray._private.worker as ray_worker
+
+    now = time.monotonic()
+    for old in [p for p, at in _muted.items() if now - at > _MUTE_S]:
+        del _muted[old]
+    _muted[pid] = now
+    shown = ray_worker.print_to_stdstream
+    if getattr(shown, "raytrainer_mutes", False):
+        return
+
+    @functools.wraps(shown)
+    def print_to_stdstream(data: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if data.get("pid") == "raylet":
+            lines = [line for line in data["lines"] if not _is_muted(line)]
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        shown(data, *args, **kwargs)
+
+    print_to_stdstream.raytrainer_mutes = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+def _is_muted(line: str) -> bool:
+    found = _DEATH_NOTICE.search(line)
+    return found is not None and int(found.group(1)) in _muted
 
 
 def draining_nodes() -> dict[str, float | None]:

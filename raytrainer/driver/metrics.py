@@ -354,15 +354,16 @@ class ProgressBar(Sink):
     """One status line: step, epoch, loss, samples/s. Redrawn in place on a terminal,
     printed every few seconds otherwise (logs, CI)."""
 
-    def __init__(self, total_steps: int | None = None, stream: TextIO = sys.stderr,
+    def __init__(self, total_steps: int | None = None, stream: TextIO | None = None,
                  interval_s: float | None = None):
         self.total_steps = total_steps
-        self.stream = stream
-        self.tty = stream.isatty()
+        self.stream = stream or sys.stderr  # this process's now (a test's capture, a notebook's)
+        self.tty = self.stream.isatty()
         self.interval_s = interval_s if interval_s is not None else (0.2 if self.tty else 5.0)
         self._last_draw = 0.0
         self._drawn = True  # nothing new to show
         self._state: dict[str, Any] = {}
+        self._failures: list[str] = []  # worker_failed notices not yet recovered from
 
     def write(self, row: dict[str, Any]) -> None:
         self._state.update(row)
@@ -371,6 +372,21 @@ class ProgressBar(Sink):
         if any(k.startswith("val_") for k in row) or now - self._last_draw >= self.interval_s:
             self._draw(final=not self.tty)
             self._last_draw = now
+
+    def event(self, record: dict[str, Any]) -> None:
+        """A recovery with the failures it recovered from, a resize, a node leaving, a
+        checkpoint passed over: a line each, between the status lines (notice). Failures are
+        shown once recovered from: one the run ends on is the error the run raises."""
+        line = notice(record)
+        if record["event"] == "worker_failed":
+            self._failures.append(line)
+        elif record["event"] in ("failed", "finished", "stopped"):
+            self._failures = []
+        elif line is not None:
+            lines, self._failures = [*self._failures, line], []
+            self.stream.write(("\r\x1b[K" if self.tty else "") + "\n".join(lines) + "\n")
+            self._drawn = False  # the status line again after them, on a terminal
+            self.stream.flush()
 
     def _draw(self, final: bool) -> None:
         s = self._state
@@ -392,6 +408,34 @@ class ProgressBar(Sink):
     def close(self) -> None:
         if not self._drawn or self.tty:
             self._draw(final=True)
+
+
+def notice(record: dict[str, Any]) -> str | None:
+    """The console's line for an event the user should see as it happens; None for the
+    others (events.jsonl has them all)."""
+    e, step = record, record.get("step")
+    kind = e["event"]
+    if kind == "worker_failed":
+        what = {"died": "died", "hung": "hung", "error": "failed", "interrupted": "was interrupted"}
+        cause = (e["cause"].strip().splitlines() or [""])[0]
+        return (f"raytrainer: rank {e['rank']} ({e.get('node') or '?'}) {what.get(e['kind'], e['kind'])} at step "
+                f"{step}: {cause}" + (" (its traceback: events.jsonl)" if e.get("traceback") else ""))
+    if kind == "recovered":
+        source = {"memory": f"rank {e.get('source_rank')}'s state in memory",
+                  "copy": "the copy of the state kept in memory", "object_store": "the state in Ray's object store",
+                  "peers": f"the peers' snapshots of step {e.get('snapshot_step')}",
+                  "checkpoint": f"checkpoint {e.get('from_checkpoint')}",
+                  "start": "the start (no checkpoint committed yet)"}.get(e.get("state_from"), e.get("state_from"))
+        return (f"raytrainer: recovered at step {step} in {e['seconds']:.2f} s from {source}, "
+                f"{e['steps_lost']} step(s) lost ({e['failures']} failure(s) so far)")
+    if kind == "resized":
+        return (f"raytrainer: {e['old_world_size']} -> {e['new_world_size']} workers at step {step} "
+                f"(paused {e['seconds']:.2f} s): {e['cause']}")
+    if kind == "left_node":
+        return f"raytrainer: ranks {e['ranks']} left node {e['node']} at step {step}: {e['reason']}"
+    if kind == "checkpoint_skipped":
+        return f"raytrainer: checkpoint {e['checkpoint']} skipped: {e['why']}"
+    return None
 
 
 class MetricsHub:

@@ -169,8 +169,10 @@ class Recovery:
 
     def _log_failures(self, failures: list[Failure]) -> None:
         for f in root_causes(failures):
+            trace = getattr(f.error, "traceback", "")  # a WorkerError's: the user's code, on the worker
             self.ctl.events.log("worker_failed", step=f.step if f.step is not None else self.ctl.step,
-                                rank=f.rank, node=f.node, kind=f.kind, cause=f.cause)
+                                rank=f.rank, node=f.node, kind=f.kind, cause=f.cause,
+                                **({"traceback": trace} if trace else {}))
 
 
 class _Origins:

@@ -21,7 +21,7 @@ from ...config import Config
 from ...contract import WORKER_ACTOR, Failure, Node
 from ...errors import PeerFailure, RaytrainerError, WorkerError
 from ...task import import_object
-from .._internals import is_placement_group_resource
+from .._internals import is_placement_group_resource, mute_death_notice
 from . import kept
 
 # Calls the driver makes while run() trains or is blocked: a concurrency group of their
@@ -190,6 +190,7 @@ def kill(roster: Roster, rank: int) -> None:
     process) ends it in milliseconds."""
     node = roster.nodes[rank] if rank < len(roster.nodes) else None
     if node is not None and node.pid:
+        mute_death_notice(node.pid)  # Ray's "unexpected system error": raytrainer says why itself
         helpers = [a for r, a in enumerate(roster.actors) if r != rank and r < len(roster.nodes)
                    and roster.nodes[r].node_id == node.node_id]
         if helpers:
