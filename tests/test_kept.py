@@ -95,21 +95,20 @@ def test_a_changed_module_or_another_directory_is_not_renewed(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.import_module("usermod_kept")
 
-    class Released:
-        loop = _snapshots = _copy = None
+    forgotten = []  # the run's objects, dropped before the collection (a Worker's fields)
 
     monkeypatch.setattr(keeping, "_baseline", {})
     # This process's children before (a local Ray's daemons, started by an earlier test) are not a run's.
     before, children = set(keeping._children()), keeping._children
     monkeypatch.setattr(keeping, "_children", lambda: [pid for pid in children() if pid not in before])
     keeping.note_start()
-    assert keeping.release(Released()) is None
+    assert keeping.release(lambda: forgotten.append(1)) is None and forgotten == [1]
     assert keeping.renewable(os.getcwd()) is None  # taken: released again before the next
     assert keeping.renewable(os.getcwd()) == "it was not released"
 
-    assert keeping.release(Released()) is None
+    assert keeping.release(lambda: forgotten.append(1)) is None
     assert keeping.renewable(str(tmp_path)) == "the run starts from another directory"
-    assert keeping.release(Released()) is None
+    assert keeping.release(lambda: forgotten.append(1)) is None
     stamp = os.stat(tmp_path / "usermod_kept.py").st_mtime
     os.utime(tmp_path / "usermod_kept.py", (stamp + 5, stamp + 5))
     assert keeping.renewable(os.getcwd()) == "code it imported has changed"
@@ -120,25 +119,25 @@ def test_a_changed_module_or_another_directory_is_not_renewed(tmp_path, monkeypa
     thread = threading.Thread(target=stop.wait, name="a-run's-thread")
     thread.start()
     try:
-        assert keeping.release(Released()) == "threads left running: [\"a-run's-thread\"]"
+        assert keeping.release(lambda: forgotten.append(1)) == "threads left running: [\"a-run's-thread\"]"
     finally:
         stop.set()
         thread.join()
     child = subprocess.Popen(["sleep", "60"])
     try:
-        assert keeping.release(Released()) == f"child processes left running: [{child.pid}]"
+        assert keeping.release(lambda: forgotten.append(1)) == f"child processes left running: [{child.pid}]"
     finally:
         child.kill()
         child.wait()
     monkeypatch.setenv("SET_BY_A_RUN", "1")
-    assert keeping.release(Released()) == "environment variables changed: ['SET_BY_A_RUN']"
+    assert keeping.release(lambda: forgotten.append(1)) == "environment variables changed: ['SET_BY_A_RUN']"
     monkeypatch.delenv("SET_BY_A_RUN")
     torch.set_default_dtype(torch.float64)
     try:
-        assert keeping.release(Released()) == "torch's global settings changed"
+        assert keeping.release(lambda: forgotten.append(1)) == "torch's global settings changed"
     finally:
         torch.set_default_dtype(torch.float32)
-    assert keeping.release(Released()) is None
+    assert keeping.release(lambda: forgotten.append(1)) is None
 
 
 def test_a_bad_keep_setting_is_a_clear_error_before_the_run_starts(ray_local, tmp_path, monkeypatch):

@@ -192,7 +192,17 @@ class Worker:
     def release(self) -> str | None:
         """After a run that finished: let go of what it made here; None where this process
         may serve the driver's next run (keeping.py), else why not (it is killed then)."""
-        return keeping.release(self)
+        try:
+            if self.loop is not None:
+                self.loop.close_inputs()
+                self.loop.saver.close()
+            if self._snapshots is not None:
+                self._snapshots.close()
+            if self._copy is not None:
+                self._copy.remove()
+        except Exception as exc:  # noqa: BLE001 (anything: the process is not kept)
+            return f"the run's resources did not close: {type(exc).__name__}: {exc}"
+        return keeping.release(self.__dict__.clear)
 
     def renew(self, config: dict[str, Any], payload: bytes | None = None, spare: bool = False,
               warm: bool = False, cwd: str | None = None) -> str | None:

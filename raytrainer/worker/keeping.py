@@ -23,7 +23,7 @@ import os
 import sys
 import sysconfig
 import threading
-from typing import Any
+from typing import Any, Callable
 
 # What a group sets in this process's environment (dist.py, userloop.py): rewritten by
 # every group, never a reason not to keep it.
@@ -42,20 +42,10 @@ def note_start() -> None:
                          torch=_torch_settings())
 
 
-def release(worker: Any) -> str | None:
-    """Let go of what the run made in this process; None if the process is fit for another
-    run, else why not."""
-    loop = worker.loop
-    try:
-        if loop is not None:
-            loop.close_inputs()
-            loop.saver.close()
-        if worker._snapshots is not None:
-            worker._snapshots.close()
-        if worker._copy is not None:
-            worker._copy.remove()
-    except Exception as exc:  # noqa: BLE001 (anything: the process is not kept)
-        return f"the run's resources did not close: {type(exc).__name__}: {exc}"
+def release(forget: Callable[[], None]) -> str | None:
+    """Once the run's resources are closed (Worker.release): None if the process is fit for
+    another run, else why not. `forget` drops the run's objects (the Worker's fields) before
+    the collection that frees them."""
     from . import dist
 
     if not _baseline:
@@ -64,7 +54,7 @@ def release(worker: Any) -> str | None:
         return "a process group is left"
     if "ray.data" in sys.modules:  # its coordinator actors belong to this process, and live with it
         return "Ray Data ran here"
-    worker.__dict__.clear()
+    forget()
     gc.collect()
     _trim()
     why = _left_over()
