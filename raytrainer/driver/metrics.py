@@ -410,11 +410,10 @@ class ProgressBar(Sink):
             self._draw(final=True)
 
 
-def notice(record: dict[str, Any]) -> str | None:
+def notice(e: dict[str, Any]) -> str | None:
     """The console's line for an event the user should see as it happens; None for the
     others (events.jsonl has them all)."""
-    e, step = record, record.get("step")
-    kind = e["event"]
+    kind, step = e["event"], e.get("step")
     if kind == "worker_failed":
         what = {"died": "died", "hung": "hung", "error": "failed", "interrupted": "was interrupted"}
         cause = (e["cause"].strip().splitlines() or [""])[0]
