@@ -7,7 +7,12 @@
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-[ -x .venv/bin/python ] && [ "$PYTHON" = python ] && PYTHON=.venv/bin/python
+if [ -x .venv/bin/python ] && [ "$PYTHON" = python ]; then
+    # The project's venv, as the README's command has it, activated: tests run `ray` and
+    # `raytrainer` as a user does, from PATH.
+    PYTHON=.venv/bin/python
+    export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH"
+fi
 hogs=()
 for _ in $(seq "${RAYTRAINER_SLOWDAY_HOGS:-1}"); do
     nice -n 0 bash -c 'while :; do :; done' &
