@@ -1,5 +1,6 @@
 """The TensorBoard file holds every numeric metric of every row, at its step; a logger on
-its own thread never holds the driver up, and says once what went wrong."""
+its own thread never holds the driver up, and says once what went wrong; the console says
+each recovery."""
 
 import io
 import json
@@ -152,7 +153,8 @@ def test_the_console_says_each_recovery_with_the_failures_it_recovered_from():
         "(1 failure(s) so far)",
         "raytrainer: 2 -> 1 workers at step 3 (paused 0.04 s): failure: rank 1 died"]
     # A user's error: its first line, and where its traceback is; then a recovery from storage.
-    stream.truncate(0), stream.seek(0)
+    stream.seek(0)
+    stream.truncate()
     bar.event({"event": "worker_failed", "step": 7, "rank": 0, "node": "10.0.0.1", "kind": "error",
                "cause": "ValueError: bad batch\nmore", "traceback": "Traceback ...\nValueError: bad batch"})
     bar.event({"event": "recovered", "step": 5, "seconds": 1.5, "steps_lost": 2, "failures": 2,
@@ -162,7 +164,8 @@ def test_the_console_says_each_recovery_with_the_failures_it_recovered_from():
         "raytrainer: recovered at step 5 in 1.50 s from checkpoint step-00000005, 2 step(s) lost "
         "(2 failure(s) so far)"]
     # The failure the run ends on: nothing here, the run raises it.
-    stream.truncate(0), stream.seek(0)
+    stream.seek(0)
+    stream.truncate()
     bar.event(died)
     bar.event({"event": "failed", "step": 3, "error": "x"})
     bar.event({"event": "left_node", "step": 4, "ranks": [1], "node": "10.0.0.2", "reason": "preempted"})
