@@ -12,6 +12,8 @@ import torch
 
 from raytrainer.worker import dist
 
+from .ray_procs import free_ports
+
 
 def new_worker(tmp_path, before: str, after: str) -> list[str]:
     """In a fresh interpreter (this one may have imported torch._dynamo already), print
@@ -110,9 +112,7 @@ def test_a_rank_0_that_hosted_no_store_hosts_it_as_it_joins():
         import torch
 
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            (port,) = free_ports(1)
             dist.init_group(0, 1, "127.0.0.1", port, "gloo", 30)
             results.put(dist.all_reduce_sum(torch.ones(1)).item())
             dist.leave_group()

@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import raytrainer
 
 from .conftest import ROOT, assert_no_leaks
-from .ray_procs import own_ray_env
+from .ray_procs import free_ports, own_ray_env
 
 
 @pytest.mark.parametrize("name, overrides, check", [
@@ -53,9 +52,7 @@ def test_cli_trains_and_reports(tmp_path):
     # would wait minutes on that address; the run says so and starts its own Ray.
     env = own_ray_env()
     ray_tmp = env["RAY_TMPDIR"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_ports(1)[0]}"
     os.makedirs(os.path.join(ray_tmp, "ray"))
     with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
         f.write(dead)

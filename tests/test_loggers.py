@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import raytrainer
 from raytrainer.errors import ConfigError
 
 from .conftest import assert_no_leaks
+from .ray_procs import free_ports
 from .waits import Deadline
 
 
@@ -28,9 +28,7 @@ from .waits import Deadline
 def mlflow_server(root: Path):
     """`mlflow server` on 127.0.0.1 and a free port, with a SQLite store and artifacts under
     `root`; stopped (its whole process group) and removed on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     root.mkdir(parents=True, exist_ok=True)
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(

@@ -15,6 +15,7 @@ from raytrainer.worker.reshard import reshard
 from raytrainer.worker.snapshot import PeerSnapshots
 
 from .dist_procs import run_ranks
+from .ray_procs import free_ports
 from .tasks import RegressionTask
 
 # Clipping and EMA: their state (the EMA's shadow shards) is re-sharded too. hidden=18
@@ -88,7 +89,6 @@ def _offsets_after_renumbering(rank, world):
     survivor of a re-shard is renumbered) and shard a new layer: its offset must be the new
     rank's, not the one this process had in the first group."""
     import datetime
-    import socket
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -103,9 +103,7 @@ def _offsets_after_renumbering(rank, world):
     before = offset()
     port = [None]
     if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = [s.getsockname()[1]]
+        port = free_ports(1)
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
     new = (rank + 1) % world
