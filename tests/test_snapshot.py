@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from raytrainer.config import FailureConfig, TrainerConfig
+from raytrainer.config.failure import AUTO_FIRST, AUTO_MOST, auto_interval
 from raytrainer.contract import Holdings
 from raytrainer.errors import ConfigError
 from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 from raytrainer.driver.policy import choose_snapshot
+from raytrainer.worker import snapshot as snapshot_module
 from raytrainer.worker.snapshot import PeerSnapshots, check_memory
 
 from .dist_procs import run_ranks
@@ -55,7 +57,19 @@ def test_snapshots_that_would_not_fit_in_memory_are_a_config_error_naming_the_se
     check_memory(2**20, 2, "failure.snapshot_every_n_steps", available=3 * 2**30)
     with pytest.raises(ConfigError, match="snapshot_every_n_steps=-1 must be >= 0"):
         FailureConfig(snapshot_every_n_steps=-1)
+    with pytest.raises(ConfigError, match="snapshot_every_n_steps='often' must be >= 0 .* or auto"):
+        FailureConfig(snapshot_every_n_steps="often")
 
+
+def test_auto_snapshots_as_often_as_two_percent_of_the_time_allows():
+    assert FailureConfig().snapshot_every_n_steps == "auto"
+    # A snapshot costing 5 ms against steps of 65 ms: every 4 steps (5 / 260 = 1.9%).
+    assert auto_interval(AUTO_FIRST, 0.005, 0.065) == AUTO_FIRST  # 4 is within a third of 5: kept
+    assert auto_interval(10, 0.005, 0.065) == 4 and auto_interval(3, 0.005, 0.065) == 3
+    assert auto_interval(2, 0.005, 0.065) == 4
+    assert auto_interval(10, 0.12, 0.4) == 10 and auto_interval(5, 0.12, 0.4) == 15  # 100 MB at 0.4 s a step
+    assert auto_interval(3, 1e-6, 1.0) == 1 and auto_interval(3, 600.0, 0.01) == AUTO_MOST
+    assert auto_interval(7, 0.005, 0.0) == 7  # no step time measured yet
 
 CFG = {"global_batch_size": 24, "micro_batch_size": 4, "grad_clip_norm": 0.5, "ema_decay": 0.9,
        "val_every_n_steps": 3, "strategy": "fsdp"}
@@ -102,3 +116,54 @@ def test_going_back_to_peer_snapshots_replays_to_an_undisturbed_runs_weights():
     straight = run_ranks(_straight, 3, 7)[0]
     rolled = ranks[0][3]
     assert rolled.keys() == straight.keys() and all(torch.equal(rolled[k], straight[k]) for k in straight)
+
+
+def _auto(rank, world, steps, slow_copy_s):
+    """FSDP with snapshot_every_n_steps auto, steps of >= 40 ms; rank 1's copies of its state
+    take `slow_copy_s` longer than the others'. The steps snapshotted, the pair each take
+    read (agreed by the exchange before it), and the events rank 0 was given."""
+    import time
+
+    snapshots, taken, events = PeerSnapshots("auto"), [], []
+    take = snapshots.take
+    copy = snapshot_module.to_cpu
+
+    def recording(step, state):
+        taken.append((step, snapshots.agreed))
+        return take(step, state)
+
+    def slow(state):
+        time.sleep(slow_copy_s if rank == 1 else 0)
+        return copy(state)
+
+    snapshots.take, snapshot_module.to_cpu = recording, slow
+    cfg = TrainerConfig(max_steps=steps, **CFG)
+    loop = Loop(RegressionTask(sleep_s=0.04), LoopSettings(trainer=cfg), Outlets(snapshots=snapshots, notify=events.append),
+                rank=rank, world_size=world, device=torch.device("cpu"))
+    loop.fit()
+    snapshots.wait()
+    return taken, [e for e in events if e["event"] == "snapshot_interval"]
+
+
+def test_auto_interval_is_agreed_by_every_rank_from_the_slowest_ranks_cost():
+    """failure.snapshot_every_n_steps auto on 3 ranks: snapshots at the first step boundary,
+    then AUTO_FIRST steps apart until a step time is measured, then at the interval each
+    take computes from the means agreed by the exchanges before it. Rank 1's copy is 30 ms
+    slower: every rank's agreed cost includes it (the MAX), so every rank snapshots at the
+    same steps, and rank 0 logs each interval chosen."""
+    ranks = run_ranks(_auto, 3, 60, 0.03)
+    steps = [[step for step, _ in taken] for taken, _ in ranks]
+    assert steps[0] == steps[1] == steps[2], steps
+    assert steps[0][:3] == [1, 1 + AUTO_FIRST, 1 + 2 * AUTO_FIRST]
+    every, changes = AUTO_FIRST, []
+    for (step, pair), (after, _) in zip(ranks[0][0][2:], ranks[0][0][3:] + [(None, None)]):
+        if auto_interval(every, *pair) != every:
+            every = auto_interval(every, *pair)
+            changes.append((step, every))
+        assert after is None or after - step == every
+    for taken, _ in ranks:
+        assert [pair for _, pair in taken] == [pair for _, pair in ranks[0][0]]  # the same on every rank
+        assert taken[0][1] is taken[1][1] is None and all(pair[0] >= 0.03 for _, pair in taken[2:])
+    # 30 ms against 2% of steps of >= 40 ms: an interval over 1.5 x AUTO_FIRST.
+    assert changes and [(e["step"], e["steps"]) for e in ranks[0][1]] == changes
+    assert not ranks[1][1] and not ranks[2][1]  # rank 0's alone

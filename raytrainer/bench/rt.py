@@ -98,6 +98,7 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     failure settings (warm spare) but `failure`, and a checkpoint every kill_checkpoint_every
     steps, written in the background unless not `async_save`. `until_grown`: the steps after
     the kill are paced (GROW_PACE_S) until the replacement joins, and the grow is reported."""
+    from ..config.failure import AUTO, AUTO_FIRST
     from ..driver.api import train
 
     marker, pace = work / "kill-marker.json", work / "kill-pace"
@@ -124,7 +125,11 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     out = kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
     grown = [e for e in result.events if e["event"] == "resized" and e["added"]]
+    # The peer snapshots' interval at the kill: the newest one failure.snapshot_every_n_steps auto chose before it.
+    every = cfg["failure"].get("snapshot_every_n_steps", AUTO)
+    chosen = [e["steps"] for e in result.events if e["event"] == "snapshot_interval" and e["time"] < killed["killed_at"]]
     out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0],
+               snapshot_interval=chosen[-1] if chosen else AUTO_FIRST if every == AUTO else every,
                grow_event=grown[0] if grown else None, contender_settings=settings(cfg))
     return out
 
@@ -169,6 +174,8 @@ def peers_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     return {"step_times": peers["step_times"], "phases": peers["phases"],
             "worker_pids": sorted({p for run in (peers, fast, exact, checkpoint, on, off) for p in run["worker_pids"]}),
             "snapshot_every_n_steps": FailureConfig().snapshot_every_n_steps,
+            **{f"{name}_snapshot_interval": run["snapshot_interval"] for name, run in (("peers", peers), ("fast", fast),
+                                                                                      ("exact", exact))},
             "peers_kill_to_first_step_s": peers["kill_to_first_step_s"], "peers_steps_replayed": peers["steps_lost"],
             "fast_kill_to_first_step_s": fast["kill_to_first_step_s"], "fast_steps_replayed": fast["steps_lost"],
             "fast_grow_pause_s": fast["grow_event"]["seconds"],

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ConfigError
 
+AUTO = "auto"
+AUTO_BUDGET = 0.02
+"""snapshot_every_n_steps auto: the share of the training time the snapshots are to take."""
+AUTO_FIRST = 5
+"""auto: the interval until the ranks of a group have agreed on one measured in it."""
+AUTO_MOST = 1000
+"""auto: the longest interval, whatever the snapshots cost."""
+
+
+def auto_interval(every: int, cost_s: float, step_s: float) -> int:
+    """The interval (steps) to snapshot at after `every`: the one at which snapshots costing
+    `cost_s` each take AUTO_BUDGET of steps of `step_s` (worker/snapshot.py measures both),
+    once it is over half as long again as `every` or under two thirds of it (the measures
+    vary from one snapshot to the next: the interval does not follow them); `every` while
+    no step time is measured."""
+    if step_s <= 0:
+        return every
+    target = max(1, min(AUTO_MOST, math.ceil(cost_s / (AUTO_BUDGET * step_s))))
+    return target if target > 1.5 * every or 1.5 * target < every else every
 
 @dataclass(kw_only=True)
 class ChaosFault:
@@ -80,21 +100,26 @@ class FailureConfig:
     cores a recovery needs. A spare also builds the model and optimizer ahead; one still
     building is taken only where the lost worker would be waited for (with recovery fast,
     the survivors go on without it). Each is a process holding torch in memory. 0: none."""
-    snapshot_every_n_steps: int = 10
+    snapshot_every_n_steps: Literal["auto"] | int = AUTO
     """Sharded state (trainer.strategy: fsdp): every this many optimizer steps each worker
     copies its shards of the training state to host memory and to one peer's, so that a
     lost worker's state is recovered from its peer and the run replays at most this many
-    steps, reading no checkpoint (the memory it takes: docs/fault-tolerance.md, "FSDP: peer
-    snapshots"). 0: recover from the newest checkpoint instead. Replicated state (ddp) needs none: every survivor
-    holds it. Your own loop (task.loop) under fsdp copies at every report with state instead
-    (any value but 0), so that it loses at most the steps since that report."""
+    steps (twice that where the newest snapshot was still being exchanged), reading no
+    checkpoint (the memory it takes: docs/fault-tolerance.md, "FSDP: peer snapshots").
+    auto: the fewest steps at which the snapshots, as measured in the run, take about 2% of
+    its time (a "snapshot_interval" event says each interval chosen; 5 steps until the first
+    is measured). 0: recover from the newest checkpoint instead. Replicated state (ddp) needs
+    none: every survivor holds it. Your own loop (task.loop) under fsdp copies at every
+    report with state instead (any value but 0), so that it loses at most the steps since
+    that report."""
     chaos: list[ChaosFault] = field(default_factory=list)
     """Faults to inject (see ChaosFault)."""
 
     def __post_init__(self):
-        if self.snapshot_every_n_steps < 0:
-            raise ConfigError(f"failure.snapshot_every_n_steps={self.snapshot_every_n_steps} must be >= 0 "
-                              "(0: no peer snapshots)")
+        every = self.snapshot_every_n_steps
+        if every != AUTO and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise ConfigError(f"failure.snapshot_every_n_steps={every!r} must be >= 0 "
+                              "(0: no peer snapshots) or auto")
         if self.max_failures < 0:
             raise ConfigError(f"failure.max_failures={self.max_failures} must be >= 0")
         if self.warm_spares < 0:

@@ -210,7 +210,8 @@ class Loop:
                 self.paused = True
                 break
             if self.snapshots is not None and self.snapshots.due(self.step):
-                self.snapshots.take(self.step, self.state_dict())
+                if (event := self.snapshots.take(self.step, self.state_dict())) and self.rank == 0:
+                    self.notify(event)
             if self.keeper is not None:
                 self.keeper(self.step, self.state_dict)
             if not self.plan.fits(self.position):

@@ -2,7 +2,8 @@
 
 With sharded state (FSDP) a lost rank's shards exist on no survivor. Every
 failure.snapshot_every_n_steps optimizer steps (and at the first step boundary of every
-group formed) each rank copies its state to host memory, on the training thread (the
+group formed; `auto`: every interval that keeps them to AUTO_BUDGET of the training time,
+below) each rank copies its state to host memory, on the training thread (the
 state must be that of one step), and hands it to a background thread that serialises it
 and exchanges it around a ring on a Gloo group of its own: rank r sends its snapshot to
 r + 1 and keeps r - 1's. When ranks are lost, the survivors load their own snapshot of a
@@ -19,6 +20,16 @@ snapshots, up to four times during an exchange (see `needed_bytes`).
 
 Plain torch; no Ray. The exchange is one collective per snapshot on its own group, in
 the same order on every rank: every rank snapshots at the same steps.
+
+`auto` (the default): a run replays up to an interval of steps after a loss, and pays for
+every snapshot while nothing fails, so the interval is the shortest whose snapshots cost
+about AUTO_BUDGET of the time. Each snapshot's exchange ends with an all-reduce (MAX) of what
+it cost this rank (the copy, which holds the training thread, and the CPU time of the
+background thread's serialising and exchange: its waits for the peer cost nothing) and of
+the seconds per step since the snapshot before; the group's means of those agreed pairs
+(`agreed`) are the same on every rank, and so is the interval the next snapshot computes
+from them (config.failure.auto_interval). A group's first intervals, before a step time is
+measured in it, are AUTO_FIRST steps.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -33,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import to_cpu
+from ..config.failure import AUTO, AUTO_FIRST, auto_interval
 from ..contract import Holdings, Snapshot
 from ..errors import ConfigError
 from .dist import new_gloo_group
@@ -43,8 +56,9 @@ class PeerSnapshots:
     so that a survivor can go back after the group it trained in is gone; from the end of
     a run (`close`) to the next group (`bind`) nothing changes them."""
 
-    def __init__(self, every_n_steps: int):
-        self.every = every_n_steps
+    def __init__(self, every_n_steps: int | str):
+        self.auto = every_n_steps == AUTO
+        self.every = AUTO_FIRST if self.auto else int(every_n_steps)  # the interval in use (0: none)
         self.rank, self.world = 0, 1  # in the group snapshots are taken in now
         # The (rank, world size) of the group the kept snapshots were taken in: until the
         # first exchange in a new group, they are those of the group before, which a
@@ -58,6 +72,11 @@ class PeerSnapshots:
         self._taken: int | None = None  # the step last snapshotted in the current group
         self._gen = 0  # which group's thread may still change what is kept
         self._lock = threading.Lock()
+        self._next = 0  # auto: the step of the next snapshot
+        self._since: tuple[int, float] | None = None  # auto: (step, time) of the last one in this group
+        # auto: the group's means of (cost s, s per step), each snapshot's the most of any rank
+        self.agreed: tuple[float, float] | None = None
+        self._sums = (0.0, 0.0, 0)
 
     # ------------------------------------------------------------------ in a group
 
@@ -70,23 +89,43 @@ class PeerSnapshots:
         self.rank, self.world = rank, world_size
         self._group = new_gloo_group() if dist.is_initialized() and world_size > 1 else None
         self._thread, self._error, self._taken = None, None, None
+        if self.auto:  # measured anew in each group: its ranks agree on what they measured
+            self.every, self._since, self.agreed, self._sums = AUTO_FIRST, None, None, (0.0, 0.0, 0)
 
     def due(self, step: int) -> bool:
         """At the first step boundary in a group (but step 0: a fresh optimizer has no state
-        to copy, and nothing is lost going back to the start), then every `every` steps."""
+        to copy, and nothing is lost going back to the start), then every `every` steps
+        (auto: `every` after the last one)."""
         if self.every <= 0 or step == self._taken or step == 0:
             return False
-        return self._taken is None or step % self.every == 0
+        if self._taken is None:
+            return True
+        return step >= self._next if self.auto else step % self.every == 0
 
-    def take(self, step: int, state: dict[str, Any]) -> None:
+    def take(self, step: int, state: dict[str, Any]) -> dict[str, Any] | None:
         """Snapshot `state` (the state after `step`): copied to host memory now, serialised
         and exchanged in the background. Waits for the previous exchange first (it has had
-        `every` steps to finish) and raises its error, if any."""
+        `every` steps to finish) and raises its error, if any. Returns the event of an
+        interval auto changed (for rank 0 to log), else None."""
         self.wait()
         fresh, self._taken = self._taken is None, step
-        self._thread = threading.Thread(target=self._exchange, args=(self._gen, step, to_cpu(state), fresh),
+        started = time.perf_counter()
+        step_s, event = 0.0, None
+        if self.auto:
+            if self.agreed is not None:  # up to the previous exchange: the same on every rank
+                every, self.every = self.every, auto_interval(self.every, *self.agreed)
+                if self.every != every:
+                    event = {"event": "snapshot_interval", "step": step, "steps": self.every,
+                             "cost_s": round(self.agreed[0], 4), "step_s": round(self.agreed[1], 4)}
+            if self._since is not None and step > self._since[0]:
+                step_s = (started - self._since[1]) / (step - self._since[0])
+            self._since, self._next = (step, started), step + self.every
+        host = to_cpu(state)
+        self._thread = threading.Thread(target=self._exchange,
+                                        args=(self._gen, step, host, fresh, time.perf_counter() - started, step_s),
                                         daemon=True, name=f"raytrainer-snapshot-{step}")
         self._thread.start()
+        return event
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -96,7 +135,9 @@ class PeerSnapshots:
             error, self._error = self._error, None
             raise error
 
-    def _exchange(self, gen: int, step: int, host: dict[str, Any], fresh: bool) -> None:
+    def _exchange(self, gen: int, step: int, host: dict[str, Any], fresh: bool, copy_s: float = 0.0,
+                  step_s: float = 0.0) -> None:
+        started = time.thread_time()  # this thread's CPU: the exchange's waits cost nothing
         try:
             buffer = io.BytesIO()
             torch.save(host, buffer)
@@ -113,6 +154,11 @@ class PeerSnapshots:
                     self.peer = {s: d for s, d in self.peer.items() if s <= step}
                 self.own[step] = data
             received = _ring_exchange(data, self.rank, self.world, self._group) if self._group else None
+            measured = None
+            if self.auto:  # right after the exchange, on every rank that made it
+                measured = torch.tensor([copy_s + time.thread_time() - started, step_s], dtype=torch.float64)
+                if self._group is not None:
+                    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._group)
             with self._lock:
                 if gen != self._gen:
                     return
@@ -121,6 +167,10 @@ class PeerSnapshots:
                 # Both ways done on this rank: the older steps are no longer needed here.
                 self.own = {s: d for s, d in self.own.items() if s >= step}
                 self.peer = {s: d for s, d in self.peer.items() if s >= step}
+                if measured is not None and measured[1] > 0:  # a step time: not a group's first
+                    cost, step_s, n = self._sums
+                    self._sums = (cost + float(measured[0]), step_s + float(measured[1]), n + 1)
+                    self.agreed = (self._sums[0] / (n + 1), self._sums[1] / (n + 1))
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next take
             if gen == self._gen:
                 self._error = exc
