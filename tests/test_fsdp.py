@@ -210,7 +210,8 @@ def test_two_non_neighbours_killed_go_on_at_two_resharded_from_peers_and_grow_ba
     with the same global batch; the replacements join by the same re-sharding once up. The
     steps are slow until the group is back at 4 (the test's file), so that happens mid-run.
     Nothing is read from storage; the run ends within float tolerance of the undisturbed
-    3-worker one (the same global batch and sample order at any world size)."""
+    3-worker one (the same global batch and sample order at any world size), and a
+    checkpoint it wrote after the re-shards resumes on 3 workers to its weights."""
     slow = tmp_path / "slow"
     slow.touch()
     cfg = peer_config(tmp_path, "reshard", workers=4)
@@ -240,4 +241,13 @@ def test_two_non_neighbours_killed_go_on_at_two_resharded_from_peers_and_grow_ba
     assert sorted(got) == list(range(1, PEER_STEPS + 1))
     for step in base:
         assert abs(got[step] - base[step]) <= 1e-5 * max(1.0, abs(base[step])), (step, got[step], base[step])
+    # A checkpoint written after the re-shards (step 15, past the kill) resumes on 3 workers
+    # to the same last step and weights.
+    ckpt = result.run_dir / "checkpoints" / "step-00000015"
+    again = raytrainer.train({**peer_config(tmp_path, "after-reshard"), "task": cfg["task"],  # the file is gone
+                              "run": {"name": "after-reshard", "storage": str(tmp_path), "resume": str(ckpt)}},
+                             progress=False)
+    assert [e["step"] for e in of(again.events, "resumed")] == [15]
+    assert sorted(losses(again)) == [PEER_STEPS] and abs(losses(again)[PEER_STEPS] - got[PEER_STEPS]) <= 1e-5
+    assert_close(weights(again), weights(result))
     assert_no_leaks()
