@@ -138,8 +138,9 @@ def _auto(rank, world, steps, slow_copy_s):
 
     snapshots.take, snapshot_module.to_cpu = recording, slow
     cfg = TrainerConfig(max_steps=steps, **CFG)
-    loop = Loop(RegressionTask(sleep_s=0.04), LoopSettings(trainer=cfg), Outlets(snapshots=snapshots, notify=events.append),
-                rank=rank, world_size=world, device=torch.device("cpu"))
+    loop = Loop(RegressionTask(sleep_s=0.04), LoopSettings(trainer=cfg),
+                Outlets(snapshots=snapshots, notify=events.append), rank=rank, world_size=world,
+                device=torch.device("cpu"))
     loop.fit()
     snapshots.wait()
     return taken, [e for e in events if e["event"] == "snapshot_interval"]

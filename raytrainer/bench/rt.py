@@ -125,9 +125,10 @@ def kill_raytrainer(spec: dict[str, Any], work: Path, failure: dict[str, Any] | 
     out = kill_figures(killed, [r for r in rows if r[1] < handled], [r for r in rows if r[1] > handled],
                        rec["step"], reached=rec["step"] + rec["steps_lost"])
     grown = [e for e in result.events if e["event"] == "resized" and e["added"]]
-    # The peer snapshots' interval at the kill: the newest one failure.snapshot_every_n_steps auto chose before it.
+    # The peer snapshots' interval at the kill: the newest one snapshot_every_n_steps auto chose before it.
     every = cfg["failure"].get("snapshot_every_n_steps", AUTO)
-    chosen = [e["steps"] for e in result.events if e["event"] == "snapshot_interval" and e["time"] < killed["killed_at"]]
+    chosen = [e["steps"] for e in result.events
+              if e["event"] == "snapshot_interval" and e["time"] < killed["killed_at"]]
     out.update(outcome(result), recovered_event=recovered[0], worker_failed_event=failed[0],
                snapshot_interval=chosen[-1] if chosen else AUTO_FIRST if every == AUTO else every,
                grow_event=grown[0] if grown else None, contender_settings=settings(cfg))

@@ -209,7 +209,8 @@ def _outcome(scenario: str, run: dict[str, Any]) -> list[str]:
                 f"{run['node_added_to_resized_s']:.1f} s after the node was added"]
     if scenario == "peers":
         return [f"recovered from peers in {run['peers_kill_to_first_step_s']:.2f} s ({run['peers_steps_replayed']} "
-                f"steps replayed, snapshots every {run['peers_snapshot_interval']}), from a checkpoint in {run['checkpoint_kill_to_first_step_s']:.2f} s "
+                f"steps replayed, snapshots every {run['peers_snapshot_interval']}), from a checkpoint in "
+                f"{run['checkpoint_kill_to_first_step_s']:.2f} s "
                 f"({run['checkpoint_steps_lost']} lost); snapshots cost {100 * run['snapshot_overhead']:.1f}% "
                 "of steps/s",
                 f"no spare: went on re-sharded in {run['fast_kill_to_first_step_s']:.2f} s "
