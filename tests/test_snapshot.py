@@ -64,12 +64,13 @@ def test_snapshots_that_would_not_fit_in_memory_are_a_config_error_naming_the_se
 def test_auto_snapshots_as_often_as_two_percent_of_the_time_allows():
     assert FailureConfig().snapshot_every_n_steps == "auto"
     # A snapshot costing 5 ms against steps of 65 ms: every 4 steps (5 / 260 = 1.9%).
-    assert auto_interval(AUTO_FIRST, 0.005, 0.065) == AUTO_FIRST  # 4 is within a third of 5: kept
+    assert auto_interval(AUTO_FIRST, 0.005, 0.065) == AUTO_FIRST  # 4 is not under two thirds of 5: kept
     assert auto_interval(10, 0.005, 0.065) == 4 and auto_interval(3, 0.005, 0.065) == 3
     assert auto_interval(2, 0.005, 0.065) == 4
     assert auto_interval(10, 0.12, 0.4) == 10 and auto_interval(5, 0.12, 0.4) == 15  # 100 MB at 0.4 s a step
     assert auto_interval(3, 1e-6, 1.0) == 1 and auto_interval(3, 600.0, 0.01) == AUTO_MOST
     assert auto_interval(7, 0.005, 0.0) == 7  # no step time measured yet
+
 
 CFG = {"global_batch_size": 24, "micro_batch_size": 4, "grad_clip_norm": 0.5, "ema_decay": 0.9,
        "val_every_n_steps": 3, "strategy": "fsdp"}

@@ -28,6 +28,7 @@ def auto_interval(every: int, cost_s: float, step_s: float) -> int:
     target = max(1, min(AUTO_MOST, math.ceil(cost_s / (AUTO_BUDGET * step_s))))
     return target if target > 1.5 * every or 1.5 * target < every else every
 
+
 @dataclass(kw_only=True)
 class ChaosFault:
     """A fault to inject, for tests and for checking a setup. It acts on one rank at the

@@ -168,8 +168,8 @@ class PeerSnapshots:
                 self.own = {s: d for s, d in self.own.items() if s >= step}
                 self.peer = {s: d for s, d in self.peer.items() if s >= step}
                 if measured is not None and measured[1] > 0:  # a step time: not a group's first
-                    cost, step_s, n = self._sums
-                    self._sums = (cost + float(measured[0]), step_s + float(measured[1]), n + 1)
+                    costs, steps_s, n = self._sums
+                    self._sums = (costs + float(measured[0]), steps_s + float(measured[1]), n + 1)
                     self.agreed = (self._sums[0] / (n + 1), self._sums[1] / (n + 1))
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next take
             if gen == self._gen:
