@@ -179,8 +179,10 @@ class Slots:
     def wait_placed(self, roster: Roster, ranks: list[int], others: int,
                     asked: dict[int, Any] | None = None) -> dict[int, Node]:
         """Wait for the new workers of `ranks` to be placed and up (through their node()
-        calls in `asked`, else new ones); return their nodes by rank. How long:
-        policy.keep_waiting_for_placement."""
+        calls in `asked`, else new ones); return their nodes by rank, each written into the
+        roster at once: a recovery attempt that fails after this (another worker lost while
+        the group forms) leaves the next attempt the node, and the pid, of the worker now in
+        the rank, not of the one it replaced. How long: policy.keep_waiting_for_placement."""
         scaling = self.config.scaling
         asked = asked or {}
         refs = {asked[r] if r in asked else roster.actors[r].node.remote(): r for r in ranks}
@@ -195,6 +197,8 @@ class Slots:
                 rank = refs.pop(ref)
                 try:
                     placed[rank] = ray.get(ref)
+                    if rank < len(roster.nodes):
+                        roster.nodes[rank] = placed[rank]
                 except (RayActorError, RayTaskError):
                     # Lost before it started: sent to the node that was just lost, before Ray
                     # knew it dead. Its slot is placed again elsewhere once there is room.
