@@ -465,7 +465,8 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
     status = Status(5, 10, "framework")
     group.kill = lambda rank: calls.append(("kill", rank))
     group.spares = SimpleNamespace(
-        take=lambda node_id: calls.append(("take_spare", node_id)) or ("spare", "the spare's node() call"),
+        take=lambda node_id: calls.append(("take_spare", node_id)) or ("spare", "the spare's node() call",
+                                                                         Node("10.0.0.2", node_id="n1", pid=7)),
         start=lambda roster: calls.append(("start_spares",)))
     group.forming = SimpleNamespace(
         answers=lambda ranks, method: {r: status for r in ranks},
@@ -484,7 +485,7 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
     reformed = group.reform([1])
     assert calls == [("kill", 1), ("take_spare", "n1"), ("wait_placed", {1: "the spare's node() call"}),
                      ("form", [0, 1]), ("start_joiners",)]
-    assert reformed.replaced == [1] and group.actors == ["w0", "spare"]
+    assert reformed.replaced == [1] and group.actors == ["w0", "spare"] and group.roster.nodes[1].pid == 7
     # Launched again: the spares start at the poll that brings the re-formed group's first step.
     import ray
 

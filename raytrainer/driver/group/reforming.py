@@ -285,7 +285,9 @@ def _replace(group: RayWorkerGroup, dead: list[int], regrow: list[int] = ()) -> 
             continue
         taken = None if rank in regrow else group.spares.take(roster.nodes[rank].node_id)
         if taken is not None:
-            roster.actors[rank], asked[rank] = taken
+            # From now on the roster names the spare (its node, its pid), even where this
+            # attempt fails before the placement (a worker lost while the state is secured).
+            roster.actors[rank], asked[rank], roster.nodes[rank] = taken
             continue
         roster.slots[rank] = group.slots.renew(roster.slots[rank])
         if rank not in regrow:

@@ -31,6 +31,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ...config import Config
+from ...contract import Node
 from .actors import Roster, alive_nodes, control, start_spare
 
 
@@ -79,15 +80,16 @@ class WarmSpares:
         free = {node: sorted((s.built for s in up if s.node == node), reverse=True) for node in wanted}
         return [free[node].pop(0) if free[node] else None for node in node_ids]
 
-    def take(self, node_id: str) -> tuple[Any, Any] | None:
-        """A spare that is up on `node_id` (a built one first), and its node() call, made as
-        it started (a recovery waits for it through that call: one round trip fewer)."""
+    def take(self, node_id: str) -> tuple[Any, Any, Node] | None:
+        """A spare that is up on `node_id` (a built one first), its node() call, made as it
+        started (a recovery waits for it through that call: one round trip fewer), and that
+        call's answer (where it runs, its pid)."""
         up = [s for s in self._alive() if s.node == node_id and _answered(s.up)]
         if not up or node_id not in alive_nodes():
             return None
         spare = max(up, key=lambda s: s.built)
         self.spares.remove(spare)
-        return spare.actor, spare.up
+        return spare.actor, spare.up, ray.get(spare.up)
 
     def keep_only_on(self, node_ids: set[str]) -> None:
         """Let go the spares beside no worker any more (they left the spare's node)."""
