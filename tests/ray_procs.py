@@ -9,8 +9,12 @@ import secrets
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
+from pathlib import Path
+
+from .waits import Deadline, wait_until
 
 SESSION_TAG = "RAYTRAINER_TEST_SESSION"
 """Set by conftest.py for the session: every process it starts inherits it."""
@@ -79,6 +83,43 @@ def live_processes(ours_only: bool = False):
 def processes_under(temp_dir: str) -> list[int]:
     """Pids of live processes whose command line names temp_dir."""
     return [pid for pid, _, cmdline in live_processes() if temp_dir.encode() in cmdline]
+
+
+# What `ray start` ends with when Ray gives up on its own start, not on anything the test
+# asked of it: on a loaded machine the head's raylet may not register with its GCS within
+# the 30 s Ray allows (ray/_private/node.py, raylet_start_wait_time_s), or the GCS may not
+# answer that check in time ("Failed to get node info: RPC error: Deadline Exceeded", seen
+# once after 33 s in a full run). A user starts it again.
+RAY_GAVE_UP_ON_ITS_START = ("Deadline Exceeded", "timed out during startup")
+
+
+def start_ray_head(argv: list[str], temp_dir: str, env: dict, log: Path, timeout_s: float = 150.0):
+    """`ray start --head --block ...` (argv, with --temp-dir=temp_dir) from temp_dir, its output
+    in `log`, once it says it has started; started again, on the same ports, when Ray gives up
+    on its own start. A `ray start` that fails otherwise (a port taken, a bad flag) fails the
+    test with its output."""
+    deadline = Deadline(timeout_s)
+    while True:
+        with log.open("a") as out:
+            proc = subprocess.Popen(argv, cwd=temp_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None and "Ray runtime started." not in log.read_text():
+            if deadline.passed():
+                said = log.read_text()
+                proc.send_signal(signal.SIGTERM)  # --block: stops what it started
+                proc.wait(timeout=60)
+                wait_gone(temp_dir)
+                raise AssertionError(f"`ray start` did not start in {timeout_s:.0f} s: {said[-3000:]}")
+            time.sleep(0.5)
+        if proc.poll() is None:
+            return proc
+        said = log.read_text()
+        assert any(s in said for s in RAY_GAVE_UP_ON_ITS_START) and not deadline.passed(), (
+            f"ray start exited {proc.returncode}: {said[-3000:]}")
+        for pid in processes_under(temp_dir):  # what the failed start left (its GCS, its raylet)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not processes_under(temp_dir), "the failed `ray start`'s processes to exit", 30)
+        log.write_text(said + "\n--- Ray gave up on its start (above): started again ---\n")
 
 
 def wait_gone(temp_dir: str, timeout_s: float = 40.0) -> list[int]:

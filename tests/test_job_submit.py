@@ -6,11 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from .conftest import ROOT
-from .ray_procs import free_ports, short_temp_dir, token_env, wait_gone
+from .ray_procs import free_ports, short_temp_dir, start_ray_head, token_env, wait_gone
 from .waits import Deadline
 
 pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
@@ -23,13 +24,12 @@ def head():
     env = token_env()
     # Started from its temp dir, not the repo: task code can only reach the workers
     # through the job's --working-dir.
-    proc = subprocess.Popen(
+    proc = start_ray_head(
         ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
          f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        cwd=temp_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
+        temp_dir, env, Path(temp_dir) / "ray-start.log")
     env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
     env["RAYTRAINER_GCS"] = f"127.0.0.1:{port}"
     try:

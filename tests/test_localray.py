@@ -17,7 +17,8 @@ import yaml
 
 from raytrainer.driver import localray
 
-from .ray_procs import free_ports, live_processes, processes_under, short_temp_dir, token_env, wait_gone
+from .ray_procs import (free_ports, live_processes, processes_under, short_temp_dir, start_ray_head, token_env,
+                        wait_gone)
 from .tasks import RegressionTask
 from .waits import Deadline
 
@@ -242,7 +243,7 @@ def test_a_ray_the_user_starts_beside_the_kept_one_takes_jobs(kept, tmp_path):
     env["RAY_TMPDIR"] = head_dir  # the head records itself there, not where other runs look
     ray_cli = str(Path(sys.executable).with_name("ray"))
     dash, gcs, client, agent, agent_grpc, metrics, runtime_env = free_ports(7)
-    proc = subprocess.Popen(
+    proc = start_ray_head(
         [ray_cli, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=1",
          "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dash}", f"--ray-client-server-port={client}", f"--temp-dir={head_dir}",
@@ -257,7 +258,7 @@ def test_a_ray_the_user_starts_beside_the_kept_one_takes_jobs(kept, tmp_path):
          # to record theirs, which on a busy machine outlasts the 30 s a node has to start.
          f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
          f"--runtime-env-agent-port={runtime_env}"],
-        cwd=head_dir, env=env, stdout=(tmp_path / "ray-start.log").open("w"), stderr=subprocess.STDOUT)
+        head_dir, env, tmp_path / "ray-start.log")
     env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
     try:
         # A job runs once the head's agent has registered (the job server gives up on a
