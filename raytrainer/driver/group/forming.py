@@ -27,7 +27,7 @@ from ...config import Config
 from ...contract import Failure, Holdings, ReformFailed, Snapshot, Status
 from ...errors import CheckpointCorrupt, NoSurvivors
 from ..policy import choose_state, progressed
-from .actors import Roster, ask, ask_once, control, outcome
+from .actors import Roster, ask_once, control, outcome
 
 
 class Forming:
@@ -53,14 +53,23 @@ class Forming:
 
     def answers(self, ranks: list[int], method: str) -> dict[int, Any]:
         """A control call on each of `ranks`, which must all answer: one that does not is
-        dead or frozen, killed, and replaced at the next attempt (ReformFailed)."""
-        answers = dict(zip(ranks, ask(self.roster, ranks, method, timeout=10.0)))
-        silent = [r for r, a in answers.items() if a is None]
-        if silent:
-            for rank in silent:
-                self.kill(rank)
-            raise ReformFailed([Failure(r, "hung", "did not answer while the group re-formed", None,
-                                        self.roster.ip(r)) for r in silent], silent)
+        dead (its process gone), failed, or frozen (no answer in 10 s), is killed, and is
+        replaced at the next attempt (ReformFailed)."""
+        refs = [control(self.roster.actors[r], method).remote() for r in ranks]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=10.0)[0])
+        answers: dict[int, Any] = {}
+        failures: list[Failure] = []
+        for rank, ref in zip(ranks, refs):
+            got = (outcome(self.roster, rank, ref) if ref in ready else
+                   Failure(rank, "hung", "did not answer while the group re-formed", None, self.roster.ip(rank)))
+            if isinstance(got, Failure):
+                failures.append(got)
+            else:
+                answers[rank] = got
+        if failures:
+            for failure in failures:
+                self.kill(failure.rank)
+            raise ReformFailed(failures, [f.rank for f in failures])
         return answers
 
     def take_state(self, holders: dict[int, Status], avoid: list[int] = ()) -> tuple[int | None, Any, Status]:
