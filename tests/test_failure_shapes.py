@@ -276,18 +276,20 @@ def test_a_worker_found_dead_as_the_group_re_forms_is_counted_died_not_hung(ray_
             return os.getpid()
 
     workers = [Worker.remote() for _ in range(3)]
-    pids = ray.get([w.status.remote() for w in workers])
-    os.kill(pids[1], signal.SIGKILL)
-    killed = []
-    config = load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1}})
-    roster = Roster(actors=workers, nodes=[Node(node_id="n", ip="127.0.0.1")] * 3)
-    with pytest.raises(ReformFailed) as failed:
-        Forming(config, roster, killed.append).answers([0, 1, 2], "status")
-    assert [(f.rank, f.kind) for f in failed.value.failures] == [(1, "died")] and failed.value.dead == [1]
-    assert killed == [1]
-    assert Forming(config, roster, killed.append).answers([0, 2], "status") == {0: pids[0], 2: pids[2]}
-    for worker in workers:
-        ray.kill(worker)
+    try:
+        pids = ray.get([w.status.remote() for w in workers])
+        os.kill(pids[1], signal.SIGKILL)
+        killed = []
+        config = load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1}})
+        roster = Roster(actors=workers, nodes=[Node(node_id="n", ip="127.0.0.1")] * 3)
+        with pytest.raises(ReformFailed) as failed:
+            Forming(config, roster, killed.append).answers([0, 1, 2], "status")
+        assert [(f.rank, f.kind) for f in failed.value.failures] == [(1, "died")] and failed.value.dead == [1]
+        assert killed == [1]
+        assert Forming(config, roster, killed.append).answers([0, 2], "status") == {0: pids[0], 2: pids[2]}
+    finally:
+        for worker in workers:
+            ray.kill(worker)
 
 
 def form_within(group, timeout_s, stuck):
