@@ -22,9 +22,6 @@ library's source (examples/charlm.py's corpus).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import torch
 
 from examples.charlm import stdlib_text
@@ -62,9 +59,10 @@ def train_func(ctx, block_size: int = 64, n_embd: int = 64, n_layer: int = 2, n_
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(ctx.seed)
     model = GPT2LMHeadModel(config)  # random initialisation: nothing downloaded
-    output_dir = tempfile.mkdtemp(prefix="hf-")  # this worker's own; raytrainer commits rank 0's checkpoints
+    # This worker's own folder on its local disk, removed when the function ends (or, where
+    # the worker is killed, by the next one on its node): raytrainer commits rank 0's checkpoints.
     args = TrainingArguments(
-        output_dir=output_dir,
+        output_dir=ctx.scratch_dir,
         max_steps=ctx.max_steps, per_device_train_batch_size=ctx.global_batch_size // ctx.world_size,
         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=min(10, ctx.max_steps // 10),
         logging_steps=1, save_strategy="steps", save_steps=save_steps, report_to=[], seed=ctx.seed,
@@ -83,8 +81,5 @@ def train_func(ctx, block_size: int = 64, n_embd: int = 64, n_layer: int = 2, n_
     trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(data[held_out:], block_size),
                       eval_dataset=ByteWindows(data[:held_out], block_size) if eval_steps else None,
                       callbacks=callbacks)
-    try:
-        trainer.train(resume_from_checkpoint=checkpoint_to_resume(ctx, output_dir))
-    finally:  # what raytrainer keeps it has committed (rank 0's checkpoints, as they were saved)
-        shutil.rmtree(output_dir, ignore_errors=True)
+    trainer.train(resume_from_checkpoint=checkpoint_to_resume(ctx, args.output_dir))
     return trainer.model

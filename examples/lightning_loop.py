@@ -16,8 +16,6 @@ seeded: nothing downloaded).
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
 
 try:
@@ -61,7 +59,7 @@ def train_func(ctx, samples: int = 2048, hidden: int = 32, lr: float = 0.05, val
                state_every: int = 1, step_sleep_s: float = 0.0, ckpt_dir: str | None = None):
     """Your own loop: a Lightning fit. Its length and batch come from the config
     (trainer.max_steps, trainer.global_batch_size). `ckpt_dir`: where a recovery's state is
-    written for Lightning to read (the temp dir by default; removed once read)."""
+    written for Lightning to read (ctx.scratch_dir by default; removed once read)."""
     from raytrainer.integrations import lightning as rtl
 
     torch.manual_seed(ctx.seed)
@@ -83,5 +81,5 @@ def train_func(ctx, samples: int = 2048, hidden: int = 32, lr: float = 0.05, val
         num_sanity_val_steps=0)
     val = torch.utils.data.DataLoader(dataset(512, seed=1), batch_size=256)
     trainer.fit(model, rtl.dataloader(ctx, dataset(samples)), val,
-                ckpt_path=rtl.checkpoint_to_resume(ctx, ckpt_dir or tempfile.gettempdir()))
+                ckpt_path=rtl.checkpoint_to_resume(ctx, ckpt_dir or ctx.scratch_dir))
     return model

@@ -6,6 +6,7 @@ ending with the weights of the same run undisturbed (shared per module)."""
 import json
 import os
 import random
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 import yaml
 
 import raytrainer
+from raytrainer.worker import scratch
 from raytrainer.worker.userloop import LoopContext
 
 from .conftest import ROOT, assert_no_leaks
@@ -77,9 +79,19 @@ def hf_undisturbed(ray_local, tmp_path_factory):
     return raytrainer.train(hf_config(tmp_path_factory.mktemp("hf"), "hf"), progress=False)
 
 
+def scratch_left(result):
+    """The scratch folders (ctx.scratch_dir) of every worker the run had, killed ones among
+    them, still on disk."""
+    pids = {pid for e in result.events for pid in e.get("pids", ())}
+    assert pids
+    root = Path(tempfile.gettempdir()) / scratch.ROOT
+    return [p for pid in pids for p in root.glob(f"{pid}@*")]
+
+
 def test_a_hugging_face_trainer_reports_its_logs_evaluations_and_checkpoints(hf_undisturbed):
     """examples/hf_trainer.py: the Trainer's loss and evaluation metrics in metrics.jsonl, the
-    checkpoints it saves committed with its files."""
+    checkpoints it saves committed with its files, and the Trainer's output_dir on each worker
+    (ctx.scratch_dir) gone at the end."""
     rows = [json.loads(line) for line in (hf_undisturbed.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["loss"] > 0 and r["world_size"] == 2 and "lr" in r for r in rows)
@@ -89,6 +101,7 @@ def test_a_hugging_face_trainer_reports_its_logs_evaluations_and_checkpoints(hf_
     assert {"COMMITTED", "state.pt", "trainer_state.json", "model.safetensors", "optimizer.pt"} <= \
         {p.name for p in newest.iterdir()}
     assert json.loads((newest / "trainer_state.json").read_text())["global_step"] == 12
+    assert not scratch_left(hf_undisturbed)
 
 
 def test_a_hugging_face_trainer_recovers_a_killed_worker_from_memory(hf_undisturbed, tmp_path):
@@ -96,14 +109,18 @@ def test_a_hugging_face_trainer_recovers_a_killed_worker_from_memory(hf_undistur
     assert recovered["steps_lost"] <= 1
     assert [r["step"] for r in result.history] == list(range(1, 13))
     assert_same_weights(result, hf_undisturbed)  # the Trainer resumed exactly where it was
+    # The killed worker's output_dir, its Trainer's checkpoints in it, was removed by the next
+    # worker on the node; the others' by their own at the end.
+    assert not scratch_left(result)
     assert_no_leaks()
 
 
 class FakeContext:
     """ctx as one worker alone sees it, its reports recorded (state copied as raytrainer does)."""
 
-    def __init__(self, step=0, state=None, max_steps=8, global_batch_size=4):
+    def __init__(self, step=0, state=None, max_steps=8, global_batch_size=4, scratch_dir=None):
         self.rank, self.world_size, self.local_rank, self.device = 0, 1, 0, torch.device("cpu")
+        self.scratch_dir = scratch_dir
         self.step, self.state, self.checkpoint = step, state, None
         self.max_steps, self.global_batch_size, self.seed = max_steps, global_batch_size, 0
         self.reports = []
@@ -118,7 +135,7 @@ class FakeContext:
 
 
 @pytest.mark.slow  # transformers' import and two Trainers: out of the quick lane
-def test_the_hugging_face_callback_reports_at_the_trainers_steps_and_resumes_exactly_from_a_state():
+def test_the_hugging_face_callback_reports_at_the_trainers_steps_and_resumes_exactly_from_a_state(tmp_path):
     """One process, no Ray: a report per logged step with its evaluation merged, the state
     every 3 steps, the saved checkpoints handed over; a Trainer resumed from the state of
     step 6 ends with the same weights."""
@@ -127,18 +144,18 @@ def test_the_hugging_face_callback_reports_at_the_trainers_steps_and_resumes_exa
 
     args = dict(block_size=16, n_embd=16, n_layer=1, n_head=2, max_bytes=20_000, save_steps=4, eval_steps=4,
                 state_every=3)
-    ctx = FakeContext()
+    ctx = FakeContext(scratch_dir=str(tmp_path / "first"))
     first = train_func(ctx, **args).state_dict()
     assert [m["step"] for m, _, _ in ctx.reports] == list(range(1, 9))
     assert all(m["loss"] > 0 for m, _, _ in ctx.reports)
     assert [m["step"] for m, _, _ in ctx.reports if "eval_loss" in m] == [4, 8]
     assert [m["step"] for m, state, _ in ctx.reports if state] == [3, 6]
     assert [os.path.basename(c) for _, _, c in ctx.reports if c] == ["checkpoint-4", "checkpoint-8"]
-    # Handed over as saved (a commit copies them at once); the worker's own copies then go.
-    assert not [c for _, _, c in ctx.reports if c and os.path.exists(os.path.dirname(c))]
+    # The Trainer's own checkpoints, in the worker's scratch folder (raytrainer removes it).
+    assert {os.path.dirname(c) for _, _, c in ctx.reports if c} == {ctx.scratch_dir}
     _, state, _ = ctx.reports[5]
     assert set(state) == {"model", "optimizer", "scheduler", "trainer_state"}
-    again = FakeContext(step=6, state=state)
+    again = FakeContext(step=6, state=state, scratch_dir=str(tmp_path / "again"))
     second = train_func(again, **args).state_dict()
     assert [m["step"] for m, _, _ in again.reports] == [7, 8]
     assert all(torch.equal(first[k], second[k]) for k in first)

@@ -340,3 +340,30 @@ def test_your_loop_under_fsdp_resumes_from_a_sharded_checkpoint(sharded, tmp_pat
     a, b = weights(result), weights(sharded)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert_no_leaks()
+
+
+def test_a_scratch_folder_is_this_workers_and_the_next_one_removes_those_of_processes_gone(tmp_path, monkeypatch):
+    """ctx.scratch_dir: named by pid and node under the temp dir; a new one removes this
+    node's folders whose process is gone (killed workers'), and keeps a live process's, a
+    zombie's (killed, not yet reaped: gone), another node's and what raytrainer did not make."""
+    from raytrainer.worker import scratch
+
+    monkeypatch.setattr(scratch.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(scratch.socket, "gethostname", lambda: "node-a")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    zombie = subprocess.Popen(["true"])  # exits at once; not waited for: a zombie until it is
+    deadline = time.monotonic() + 30
+    while scratch._alive(zombie.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    root = tmp_path / scratch.ROOT
+    names = {"dead": f"{dead.pid}@node-a.x1", "zombie": f"{zombie.pid}@node-a.x2", "live": f"{os.getppid()}@node-a.x3",
+             "other node": f"{dead.pid}@node-b.x4", "not ours": "notes"}
+    for name in names.values():
+        (root / name).mkdir(parents=True)
+        (root / name / "checkpoint-1").mkdir()
+    made = scratch.make()
+    zombie.wait()
+    assert made.parent == root and made.name.startswith(f"{os.getpid()}@node-a.") and made.is_dir()
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [made.name, names["live"], names["other node"], names["not ours"]])

@@ -3,7 +3,7 @@
     from raytrainer.integrations.hf import RaytrainerCallback, checkpoint_to_resume
 
     def train_func(ctx):
-        args = TrainingArguments(output_dir=..., ...)
+        args = TrainingArguments(output_dir=ctx.scratch_dir, ...)
         trainer = Trainer(model=..., args=args, train_dataset=...,
                           callbacks=[RaytrainerCallback(ctx, state_every=1)])
         trainer.train(resume_from_checkpoint=checkpoint_to_resume(ctx, args.output_dir))

@@ -39,6 +39,7 @@ import collections
 import copy
 import math
 import os
+import shutil
 import socket
 import sys
 import time
@@ -53,7 +54,7 @@ from ..config import Config
 from ..contract import Reshard, Snapshot
 from ..data import BatchPlan
 from ..errors import ConfigError, TaskError
-from . import _internals, loopshards
+from . import _internals, loopshards, scratch
 from .dist import all_reduce_sum
 from .loop import Loop
 from .saver import CheckpointSaver
@@ -132,6 +133,9 @@ class UserLoop:
         except Paused:
             self.paused = True
             return None
+        finally:
+            if ctx._scratch is not None:  # the loop's own files: what it keeps it has committed
+                shutil.rmtree(ctx._scratch, ignore_errors=True)
         if self.rank == 0:
             self.validations.take(wait=True)
         self._save(final=True)  # the end of the run, as a Task's (a no-op where this step is saved)
@@ -368,6 +372,17 @@ class LoopContext:
         your loop saved in it (ctx.report(checkpoint=...)); None when it came from memory."""
         self.max_steps, self.max_epochs = trainer.max_steps, trainer.max_epochs
         self.global_batch_size, self.seed = trainer.global_batch_size, trainer.seed
+        self._scratch: Path | None = None
+
+    @property
+    def scratch_dir(self) -> str:
+        """A folder on this worker's local disk for your loop's own files (a Hugging Face
+        Trainer's output_dir): this worker's alone, made when first asked for, removed when
+        fn ends however it ends (commit what you keep: report(checkpoint=...)). One a killed
+        worker left is removed by the next worker on its node that asks for one."""
+        if self._scratch is None:
+            self._scratch = scratch.make()
+        return str(self._scratch)
 
     def report(self, metrics: dict[str, Any], state: dict[str, Any] | None = None, checkpoint: Any = None,
                validate: Any = None) -> None:

@@ -1,0 +1,54 @@
+"""ctx.scratch_dir: a folder on the worker's local disk for your loop's own files (a Hugging
+Face Trainer's output_dir, a framework's checkpoint to resume from).
+
+Each is its worker's alone, named by the worker's pid and node, under
+`<tempdir>/raytrainer-scratch/`, and removed when fn ends, however it ends. A worker killed
+from outside cannot remove its own: the next worker on that node that asks for a scratch
+folder removes every folder whose process is gone (a replacement, the next run's workers).
+A Trainer's checkpoints left by each kill (a real model's, each the size of its state) would
+otherwise fill the node's temp disk run after run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+ROOT = "raytrainer-scratch"
+
+
+def make() -> Path:
+    """A new scratch folder for this process, once the folders of processes gone from this
+    node are removed."""
+    root = Path(tempfile.gettempdir()) / ROOT
+    root.mkdir(exist_ok=True)
+    host = socket.gethostname()
+    sweep(root, host)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}@{host}.", dir=root))
+
+
+def sweep(root: Path, host: str) -> list[Path]:
+    """Remove the folders under `root` of this node's processes that are gone; the removed."""
+    removed = []
+    for entry in root.iterdir():
+        pid, at, rest = entry.name.partition("@")
+        if not (at and pid.isdigit() and rest.startswith(f"{host}.")) or _alive(int(pid)):
+            continue  # another node's (a shared temp dir), or a process still running
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    try:  # a killed process not yet reaped by its parent (a zombie) is gone too
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
