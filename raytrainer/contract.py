@@ -9,6 +9,7 @@ ones (config, task, errors, ...); tests/test_layout.py checks it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -232,7 +233,10 @@ class WorkerGroup(Protocol):
     def status(self, timeout: float = 1.0) -> list[Status | None]: ...
     def dump_stacks(self, rank: int) -> str | None: ...
     def flight_record(self, rank: int) -> bytes | None: ...
-    def kill(self, rank: int) -> None: ...
+    def kill(self, rank: int, answering: Iterable[int] = ()) -> bool:
+        """Kill a worker now; whether its process was still running (frozen, not gone), as a
+        peer of `answering` (ranks known to answer) on its node saw it (False where none is)."""
+        ...
     def abort(self, ranks: list[int]) -> None: ...
     def spares_ready(self, ranks: list[int]) -> dict[int, bool]:
         """Of the lost `ranks`, those a warm spare that is up can take over at once (one on

@@ -292,6 +292,49 @@ def test_a_worker_found_dead_as_the_group_re_forms_is_counted_died_not_hung(ray_
             ray.kill(worker)
 
 
+def test_a_peer_killing_a_silent_worker_says_whether_its_process_was_frozen_or_gone(ray_local):
+    """A recovery kills a worker silent once its peers stopped (recovery.settle) through a
+    peer on its node that stopped too, which sees whether its process was still there: a
+    frozen worker is hung, not "died: its process, or its node, is gone" (a freeze landing
+    as a kill's recovery began was once counted died). With no such peer it cannot say."""
+    import signal
+
+    import ray
+
+    from raytrainer.config import load_config
+    from raytrainer.contract import Node
+    from raytrainer.driver.group import RayWorkerGroup
+    from raytrainer.driver.group.actors import CONTROL
+    from raytrainer.worker import control
+
+    @ray.remote(num_cpus=0, concurrency_groups={CONTROL: 1})
+    class Worker:
+        def status(self):
+            return os.getpid()
+
+        def kill_process(self, pid):
+            return control.kill(pid)
+
+    workers = [Worker.remote() for _ in range(4)]
+    try:
+        pids = ray.get([w.status.remote() for w in workers])
+        node = ray.get_runtime_context().get_node_id()
+        config = load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1}})
+        group = RayWorkerGroup(config, use_gpu=False)
+        group.roster.actors = workers
+        group.roster.nodes = [Node(ip="127.0.0.1", node_id=node, pid=pid) for pid in pids]
+        os.kill(pids[1], signal.SIGSTOP)
+        os.kill(pids[2], signal.SIGKILL)
+        wait_until(lambda: not control.running(pids[2]), "the SIGKILLed process gone")  # as when a peer is silent
+        assert group.kill(1, answering=[0]) is True  # frozen
+        assert group.kill(2, answering=[0]) is False  # gone
+        assert group.kill(3, answering=[]) is False  # alive, but no peer known to answer to say so
+        wait_until(lambda: not any(control.running(pid) for pid in pids[1:]), "the killed processes gone")
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+
+
 def form_within(group, timeout_s, stuck):
     """group.setup() in a thread, which must end within timeout_s (else the test fails with
     `stuck`) by a ReformFailed: returned."""

@@ -354,7 +354,7 @@ def test_a_scratch_folder_is_this_workers_and_the_next_one_removes_those_of_proc
     dead.wait()
     zombie = subprocess.Popen(["true"])  # exits at once; not waited for: a zombie until it is
     deadline = time.monotonic() + 30
-    while scratch._alive(zombie.pid) and time.monotonic() < deadline:
+    while scratch.running(zombie.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     root = tmp_path / scratch.ROOT
     names = {"dead": f"{dead.pid}@node-a.x1", "zombie": f"{zombie.pid}@node-a.x2", "live": f"{os.getppid()}@node-a.x3",

@@ -150,11 +150,18 @@ class Recovery:
             if stopped_at is None and any(f.kind == "interrupted" for f in failed.values()):
                 stopped_at = time.monotonic()
             if stopped_at is not None and time.monotonic() - stopped_at > ctl.SILENT_AFTER_S:
+                stopped = [r for r, f in failed.items() if f.kind == "interrupted"] + list(finished)
                 for rank in ctl.watchdog.silent(exclude=settled):
-                    ctl.group.kill(rank)
+                    # A peer on its node that stopped says whether its process is still there:
+                    # frozen (SIGSTOP, a stuck kernel or read), not gone with its node.
+                    if ctl.group.kill(rank, answering=stopped):
+                        failure = Failure(rank, "hung", "the worker hung: it did not answer once its peers had "
+                                          "stopped, its process still there (frozen)", None, ctl._node_ip(rank))
+                    else:
+                        failure = Failure(rank, "died", "the worker died: it did not answer once its peers had "
+                                          "stopped (its process, or its node, is gone)", None, ctl._node_ip(rank))
                     killed.add(rank)
-                    absorb([Failure(rank, "died", "the worker died: it did not answer once its peers had "
-                                    "stopped (its process, or its node, is gone)", None, ctl._node_ip(rank))])
+                    absorb([failure])
             if stopped_at is not None and time.monotonic() - stopped_at > ctl.UNBLOCK_AFTER_S:
                 for rank in ctl.watchdog.blocked(exclude=settled):
                     ctl.group.kill(rank)

@@ -244,10 +244,10 @@ class Worker:
 
         return abort_group()
 
-    def kill_process(self, pid: int) -> None:
+    def kill_process(self, pid: int) -> bool:
         """SIGKILL a process on this node: a frozen peer, which Ray itself kills only after
-        a grace period (see driver.group.RayWorkerGroup.kill)."""
-        control.kill(pid)
+        a grace period (see driver.group.RayWorkerGroup.kill). Whether it was still running."""
+        return control.kill(pid)
 
     # ------------------------------------------------------------------ recovery (while run() is not running)
 

@@ -53,15 +53,38 @@ def stacks() -> str:
     return "\n".join(parts)
 
 
-def kill(pid: int) -> None:
-    """SIGKILL `pid`, gone already or not."""
+def kill(pid: int) -> bool:
+    """SIGKILL `pid`, gone already or not; whether it was still running (frozen, say) as it
+    was killed."""
     import os
     import signal
 
+    there = running(pid)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    return there
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs on this machine, stopped (SIGSTOP) or not; a zombie (killed,
+    not yet reaped by its parent) does not."""
+    import os
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        if os.path.isdir("/proc/self"):
+            return False
+    try:  # no /proc (macOS): whether a signal could reach it
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
 
 
 class Outbox:

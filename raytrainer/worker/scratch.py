@@ -16,6 +16,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from .control import running
+
 ROOT = "raytrainer-scratch"
 
 
@@ -34,21 +36,8 @@ def sweep(root: Path, host: str) -> list[Path]:
     removed = []
     for entry in root.iterdir():
         pid, at, rest = entry.name.partition("@")
-        if not (at and pid.isdigit() and rest.startswith(f"{host}.")) or _alive(int(pid)):
+        if not (at and pid.isdigit() and rest.startswith(f"{host}.")) or running(int(pid)):
             continue  # another node's (a shared temp dir), or a process still running
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    try:  # a killed process not yet reaped by its parent (a zombie) is gone too
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

@@ -18,6 +18,7 @@ shutdown), the control calls, and the re-forms.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +194,14 @@ class RayWorkerGroup:
         for rank in ranks:
             control(self.roster.actors[rank], "abort").remote()
 
-    def kill(self, rank: int) -> None:
-        actors.kill(self.roster, rank)
+    KILL_ANSWER_S = 5.0
+    """How long peers known to answer get to say whether a worker they kill was still running."""
+
+    def kill(self, rank: int, answering: Iterable[int] = ()) -> bool:
+        """Kill a worker now; whether its process was still running (frozen, not gone), as
+        a peer of `answering` on its node saw it as it killed it (False where none is)."""
+        calls = actors.kill(self.roster, rank, answering)
+        return any(actors.ask_refs(calls, self.KILL_ANSWER_S))
 
     def pause(self) -> None:
         """Ask every worker to pause at a step boundary they agree on (run() returns "paused")."""

@@ -124,8 +124,13 @@ def control(actor: Any, method: str) -> Any:
 
 def ask(roster: Roster, ranks: Iterable[int], method: str, timeout: float) -> list[Any]:
     """A control call on each of `ranks`; None for those that did not answer in time."""
-    refs = [control(roster.actors[r], method).remote() for r in ranks]
-    ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    return ask_refs([control(roster.actors[r], method).remote() for r in ranks], timeout)
+
+
+def ask_refs(refs: list[Any], timeout: float) -> list[Any]:
+    """The answers of calls made; None for those that did not answer within `timeout`."""
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
     out = []
     for ref in refs:
         try:
@@ -182,24 +187,30 @@ def outcome(roster: Roster, rank: int, ref: Any) -> Any:
                        f"{str(exc).splitlines()[0] if str(exc) else ''}", None, ip)
 
 
-def kill(roster: Roster, rank: int) -> None:
+def kill(roster: Roster, rank: int, answering: Iterable[int] = ()) -> list[Any]:
     """Kill a worker now. ray.kill alone waits for a frozen (SIGSTOPed) process to exit
     gracefully for RAY_kill_worker_timeout_milliseconds (5 s) before Ray kills it, and its
     peers wait with it: a SIGKILL from another of our processes on its node (a peer's
     control channel answers at once; else a task there, which may first have to start a
-    process) ends it in milliseconds."""
+    process) ends it in milliseconds. Returns the calls made through the ranks of
+    `answering` on its node (peers known to answer), each answering whether its process was
+    still running as it killed it."""
     node = roster.nodes[rank] if rank < len(roster.nodes) else None
+    calls = []
     if node is not None and node.pid:
         mute_death_notice(node.pid)  # Ray's "unexpected system error": raytrainer says why itself
-        helpers = [a for r, a in enumerate(roster.actors) if r != rank and r < len(roster.nodes)
+        helpers = [r for r in range(len(roster.nodes)) if r != rank and r < len(roster.actors)
                    and roster.nodes[r].node_id == node.node_id]
-        if helpers:
-            control(helpers[0], "kill_process").remote(node.pid)
-        elif node.node_id:
+        answering = set(answering)
+        calls = [control(roster.actors[r], "kill_process").remote(node.pid) for r in helpers if r in answering]
+        if not calls and helpers:
+            control(roster.actors[helpers[0]], "kill_process").remote(node.pid)
+        elif not calls and node.node_id:
             ray.remote(_sigkill).options(
                 num_cpus=0, max_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(node.pid)
     ray.kill(roster.actors[rank], no_restart=True)
+    return calls
 
 
 def gather(refs: list[Any]) -> list[Any]:
