@@ -5,6 +5,7 @@ find and stop exactly those processes and never another test's (no `ray stop`)."
 import atexit
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -26,14 +27,28 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+FREE_PORTS = range(20000, 32768)
+"""Where free_ports looks: above Ray's worker ports (10002-19999 by default) and below the
+kernel's ephemeral ports (32768-60999 by default), which every outgoing connection of the
+Rays beside the test takes from: a port bound to 0 and released comes from there, and may
+be taken again before the component it was meant for binds it."""
+
+
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports: each socket held until all are chosen (one closed at once may
-    be handed out again by the next bind: `ray start` refused two components on one port)."""
+    """`n` distinct free ports (see FREE_PORTS): each socket held until all are chosen (one
+    closed at once may be handed out again by the next bind: `ray start` refused two
+    components on one port)."""
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
+            port = random.choice(FREE_PORTS)
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue  # in use
+            ports.append(port)
+        return ports
 
 
 def short_temp_dir() -> str:
