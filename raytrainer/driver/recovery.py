@@ -154,14 +154,12 @@ class Recovery:
                 for rank in ctl.watchdog.silent(exclude=settled):
                     # A peer on its node that stopped says whether its process is still there:
                     # frozen (SIGSTOP, a stuck kernel or read), not gone with its node.
-                    if ctl.group.kill(rank, answering=stopped):
-                        failure = Failure(rank, "hung", "the worker hung: it did not answer once its peers had "
-                                          "stopped, its process still there (frozen)", None, ctl._node_ip(rank))
-                    else:
-                        failure = Failure(rank, "died", "the worker died: it did not answer once its peers had "
-                                          "stopped (its process, or its node, is gone)", None, ctl._node_ip(rank))
+                    frozen = ctl.group.kill(rank, answering=stopped)
+                    cause = ("the worker hung: it did not answer once its peers had stopped, its process still "
+                             "there (frozen)" if frozen else "the worker died: it did not answer once its peers "
+                             "had stopped (its process, or its node, is gone)")
                     killed.add(rank)
-                    absorb([failure])
+                    absorb([Failure(rank, "hung" if frozen else "died", cause, None, ctl._node_ip(rank))])
             if stopped_at is not None and time.monotonic() - stopped_at > ctl.UNBLOCK_AFTER_S:
                 for rank in ctl.watchdog.blocked(exclude=settled):
                     ctl.group.kill(rank)
