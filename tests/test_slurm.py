@@ -5,13 +5,15 @@ run's exit status on and leave no Ray process behind."""
 
 import json
 import os
+import signal
 import stat
 import subprocess
 
 import pytest
 
 from .conftest import ROOT
-from .ray_procs import free_ports, short_temp_dir, token_env, wait_gone
+from .ray_procs import free_ports, live_processes, short_temp_dir, token_env, wait_gone
+from .waits import patience, wait_until
 
 pytestmark = pytest.mark.slow  # a Ray of its own, in subprocesses
 
@@ -95,3 +97,35 @@ def test_the_runs_exit_status_is_the_jobs(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "up to 65 workers (scaling.max_workers" in proc.stderr
 
+
+
+@pytest.mark.parametrize("moment", ["as-the-nodes-join", "mid-run"])
+def test_a_job_whose_head_loses_a_ray_process_ends_and_leaves_nothing(tmp_path, moment):
+    """The head's Ray client server dies (it exited 1 under load in CI): `ray start --block`
+    then kills the head's other processes, its GCS among them, and with Ray 2.60 may never
+    exit; a driver without its GCS retries for ever. Either held the job to its time limit.
+    The job must end, failed, with every Ray process it started gone."""
+    env, temp_dir = job(tmp_path, "n1")
+    env["RAY_STOP_TIMEOUT_S"] = "5"
+    port = env["RAY_HEAD_ARGS"].split("--ray-client-server-port=")[1].split()[0]
+    metrics = tmp_path / "lost" / "metrics.jsonl"
+    proc = subprocess.Popen(command(tmp_path, "--set", "run.name=lost", "--set", "trainer.max_epochs=200",
+                                    "--set", "scaling.num_workers=1"),
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if moment == "mid-run":
+            wait_until(lambda: metrics.exists() and metrics.stat().st_size, "the run's first metrics", timeout_s=120,
+                       alive=lambda: proc.poll() is None)
+        server = wait_until(lambda: [pid for pid, _, cmdline in live_processes()
+                                     if b"ray.util.client.server" in cmdline and f"--port={port}".encode() in cmdline],
+                            "the head's Ray client server", timeout_s=120, alive=lambda: proc.poll() is None)
+        os.kill(server[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=patience(120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        left = wait_gone(temp_dir, timeout_s=5)
+    assert proc.returncode != 0, out
+    # Ray's line, then the script's: it saw the head go down and stopped (or outlived) the step.
+    assert "Remaining processes will be killed" in out and "raytrainer.sbatch: the Ray head on n1 " in out, out
+    assert left == [], f"the job left Ray processes behind: {left}\n{out}"
