@@ -129,3 +129,29 @@ def test_a_job_whose_head_loses_a_ray_process_ends_and_leaves_nothing(tmp_path, 
     # Ray's line, then the script's: it saw the head go down and stopped (or outlived) the step.
     assert "Remaining processes will be killed" in out and "raytrainer.sbatch: the Ray head on n1 " in out, out
     assert left == [], f"the job left Ray processes behind: {left}\n{out}"
+
+
+def test_a_sigterm_to_the_job_stops_the_run_with_a_checkpoint_before_ray(tmp_path):
+    """What `scancel --batch --signal=TERM`, or the script's `--signal=B:TERM@180` before
+    the time limit, sends: SIGTERM to the batch shell only. The run must stop at a step
+    boundary with a checkpoint there, and only then Ray; the job's status is the run's."""
+    env, temp_dir = job(tmp_path, "n1")
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    proc = subprocess.Popen(command(tmp_path, "--set", "run.name=term", "--set", "trainer.max_epochs=5000",
+                                    "--set", "scaling.num_workers=1"),
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: metrics.exists() and metrics.stat().st_size, "the run's first metrics", timeout_s=120,
+                   alive=lambda: proc.poll() is None)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=patience(120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        left = wait_gone(temp_dir, timeout_s=5)
+    assert proc.returncode == 143, out
+    events = [json.loads(line) for line in (tmp_path / "term" / "events.jsonl").read_text().splitlines()]
+    (stopped,) = [e for e in events if e["event"] == "stopped"]
+    assert stopped["signal"] == "SIGTERM" and stopped["checkpoint_step"] == stopped["step"] > 0, out
+    assert "continue with: raytrainer resume" in out, out
+    assert left == [], f"the job left Ray processes behind: {left}\n{out}"
