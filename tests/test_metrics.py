@@ -133,6 +133,22 @@ def test_sink_states_keep_what_a_resumed_run_continues_from(tmp_path):
         "mlflow http://x": {"run_id": "abc"}, "wandb /p": {"id": "w1"}}
 
 
+def test_the_console_gone_is_no_error_of_the_run():
+    """A terminal hung up (EIO), a pipe closed (`raytrainer train ... | head`): the bar stops
+    drawing and the run goes on."""
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise OSError(5, "Input/output error")
+
+    bar = ProgressBar(10, stream=Gone(), interval_s=0.0)
+    bar.write({"step": 1, "epoch": 0, "loss": 0.5, "world_size": 2})
+    bar.event({"event": "recovered", "step": 1, "seconds": 0.04, "steps_lost": 0, "failures": 1,
+               "source_rank": 0, "state_from": "memory"})
+    bar.write({"step": 2, "epoch": 0, "loss": 0.4, "world_size": 2})
+    bar.close()
+    assert bar.stream is None
+
+
 def test_the_console_says_each_recovery_with_the_failures_it_recovered_from():
     stream = io.StringIO()
     bar = ProgressBar(10, stream=stream, interval_s=0.0)

@@ -1,5 +1,5 @@
 """Stops a user meets: a non-finite loss from a bad record (trainer.nonfinite), and a
-signal to the CLI (SIGINT, SIGTERM), which stops at a step boundary and commits a
+signal to the CLI (SIGINT, SIGTERM, SIGHUP), which stops at a step boundary and commits a
 checkpoint there. Both leave a run that `raytrainer resume` continues."""
 
 import json
@@ -203,6 +203,65 @@ def test_sigterm_stops_the_same_way_with_exit_status_143(ray_local, tmp_path):
     stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
     assert stopped and stopped[0]["signal"] == "SIGTERM" and stopped[0]["checkpoint_step"] == stopped[0]["step"]
     assert_no_leaks()
+
+
+def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local, tmp_path):
+    """An SSH session dropped, a terminal window closed: the kernel hangs up the run's
+    terminal (SIGHUP, then every write to it fails). The run stops at a step boundary with
+    a checkpoint there, as for SIGTERM, progress bar and all."""
+    import fcntl
+    import pty
+    import termios
+
+    run_dir = tmp_path / "runs" / "hup"
+    (tmp_path / "usertask.py").write_text(USER_TASK)
+    (tmp_path / "slow.yaml").write_text(
+        "task: {target: usertask:SlowTask}\ntrainer: {max_steps: 100000, global_batch_size: 32}\n"
+        f"scaling: {{num_workers: 2}}\ncheckpoint: {{every_n_steps: 20}}\nrun: {{name: hup, storage: {tmp_path / 'runs'}}}\n")
+    import ray
+
+    master, terminal = pty.openpty()
+
+    def own_terminal():  # a session of its own, with the pty as its controlling terminal
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--address",
+                             ray.get_runtime_context().gcs_address], cwd=tmp_path, stdin=terminal, stdout=terminal,
+                            stderr=terminal, preexec_fn=own_terminal)
+    os.close(terminal)
+    shown = []
+
+    def read():  # what the terminal shows, until it is gone
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        seen = wait_until(lambda: (run_dir / "metrics.jsonl").exists() and len(log_rows(run_dir)) > 25 and
+                          log_rows(run_dir)[-1]["step"], "25 steps", timeout_s=120, alive=lambda: proc.poll() is None)
+        os.close(master)  # the hang-up
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = b"".join(shown).decode(errors="replace")
+    assert proc.returncode == 129, out
+    stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGHUP", out
+    assert stopped[0]["step"] >= seen and stopped[0]["checkpoint_step"] == stopped[0]["step"]
+    assert_no_leaks()
+
+
+def log_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
 def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_path):

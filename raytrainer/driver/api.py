@@ -223,11 +223,15 @@ def _warn(message: str) -> None:
 
 @contextlib.contextmanager
 def _stop_on_signals(controller: Controller):
-    """The first SIGINT or SIGTERM asks the run to stop at the next step boundary with a
-    checkpoint there (the controller raises Stopped once it is committed); a second one
-    aborts at once (KeyboardInterrupt: the workers are killed on the way out). Ray's own
+    """The first SIGINT, SIGTERM or SIGHUP asks the run to stop at the next step boundary
+    with a checkpoint there (the controller raises Stopped once it is committed); a second
+    one aborts at once (KeyboardInterrupt: the workers are killed on the way out). Ray's own
     SIGTERM handler (sys.exit, set by ray.init) comes back after the run. Only where
-    signals can be handled: the main thread."""
+    signals can be handled: the main thread.
+
+    SIGHUP is the terminal gone (an SSH session dropped, a window closed): every write to
+    it fails from then on, so the driver's output goes to /dev/null; events.jsonl records
+    the stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -236,10 +240,17 @@ def _stop_on_signals(controller: Controller):
         if controller.stop_signal is not None:
             raise KeyboardInterrupt
         controller.request_stop(signum)
+        if signum == getattr(signal, "SIGHUP", None):
+            null = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):  # C-level writes too (Ray's logging)
+                os.dup2(null, fd)
+            os.close(null)
+            return
         print(f"\nraytrainer: {signal.Signals(signum).name}: stopping at the next step boundary with a checkpoint "
               "there; press Ctrl-C again to abort at once", file=sys.stderr, flush=True)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:

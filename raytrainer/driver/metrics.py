@@ -384,9 +384,8 @@ class ProgressBar(Sink):
             self._failures = []
         elif line is not None:
             lines, self._failures = [*self._failures, line], []
-            self.stream.write(("\r\x1b[K" if self.tty else "") + "\n".join(lines) + "\n")
+            self._put(("\r\x1b[K" if self.tty else "") + "\n".join(lines) + "\n")
             self._drawn = False  # the status line again after them, on a terminal
-            self.stream.flush()
 
     def _draw(self, final: bool) -> None:
         s = self._state
@@ -402,8 +401,18 @@ class ProgressBar(Sink):
         parts.append(f"workers {s.get('world_size', '?')}")
         line = " | ".join(parts)
         self._drawn = True
-        self.stream.write(("\r" + line + "\x1b[K") if not final else line + "\n")
-        self.stream.flush()
+        self._put(("\r" + line + "\x1b[K") if not final else line + "\n")
+
+    def _put(self, text: str) -> None:
+        """Training goes on without its console: a terminal hung up (EIO, before the SIGHUP
+        that stops the run), a pipe closed (`| head`)."""
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:
+            self.stream = None
 
     def close(self) -> None:
         if not self._drawn or self.tty:
