@@ -132,8 +132,9 @@ class SlowTask(Task):
 '''
 
 
-def start_cli(tmp_path, name, *extra):
-    """`raytrainer train` from the user's directory, as a user runs it, on the tests' Ray."""
+def start_cli(tmp_path, name, *extra, prefix=()):
+    """`raytrainer train` from the user's directory, as a user runs it, on the tests' Ray
+    (after `prefix`: nohup, say)."""
     import ray
 
     (tmp_path / "usertask.py").write_text(USER_TASK)
@@ -143,7 +144,7 @@ def start_cli(tmp_path, name, *extra):
         + "scaling: {num_workers: 2}\ncheckpoint: {every_n_steps: 20}\n"
         + f"run: {{name: {name}, storage: {tmp_path / 'runs'}}}\n")  # absolute: workers on the tests' Ray run elsewhere
     address = ray.get_runtime_context().gcs_address
-    command = [sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--no-progress", "--address", address]
+    command = [*prefix, sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--no-progress", "--address", address]
     return subprocess.Popen(command + list(extra), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -257,6 +258,19 @@ def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local,
     stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["signal"] == "SIGHUP", out
     assert stopped[0]["step"] >= seen and stopped[0]["checkpoint_step"] == stopped[0]["step"]
+    assert_no_leaks()
+
+
+def test_under_nohup_a_hang_up_is_ignored_as_nohup_promises(ray_local, tmp_path):
+    run_dir = tmp_path / "runs" / "nohup"
+    proc = start_cli(tmp_path, "nohup", prefix=["nohup"])
+    seen = wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGHUP)
+    wait_for_step(run_dir, seen + 5, proc)  # trains on
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out
+    assert [e["signal"] for e in log(run_dir) if e["event"] == "stopped"] == ["SIGTERM"]
     assert_no_leaks()
 
 

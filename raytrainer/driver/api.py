@@ -249,7 +249,9 @@ def _stop_on_signals(controller: Controller):
         print(f"\nraytrainer: {signal.Signals(signum).name}: stopping at the next step boundary with a checkpoint "
               "there; press Ctrl-C again to abort at once", file=sys.stderr, flush=True)
 
-    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup's stays
+        signals.append(signal.SIGHUP)
     previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
