@@ -20,7 +20,7 @@ from raytrainer.driver import localray
 from .ray_procs import (free_ports, live_processes, processes_under, short_temp_dir, start_ray_head, token_env,
                         wait_gone)
 from .tasks import RegressionTask
-from .waits import Deadline
+from .waits import Deadline, patience, wait_until
 
 pytestmark = pytest.mark.slow  # each test starts a Ray (or two) in subprocesses
 
@@ -82,7 +82,7 @@ def test_a_later_run_joins_the_ray_the_first_kept_which_only_raytrainer_finds_an
         down = run_cli(["down"], env)
         assert down.returncode == 0 and "stopped the local Ray" in down.stdout, down.stderr
     finally:
-        localray.down(folder=Path(folder))
+        localray.down(folder=Path(folder), force=True)
         left = wait_gone(folder)
     assert not left, f"left running: {left}"
 
@@ -153,7 +153,8 @@ def kept():
     try:
         yield env
     finally:
-        subprocess.run([sys.executable, "-m", "raytrainer", "down"], env=env, capture_output=True, timeout=120)
+        subprocess.run([sys.executable, "-m", "raytrainer", "down", "--force"], env=env, capture_output=True,
+                       timeout=120)
         left = wait_gone(tmp)
         assert not left, f"left running: {left}"
 
@@ -206,6 +207,33 @@ def test_a_run_from_another_directory_keeps_its_whole_run_directory_there_and_re
     assert f"finished {run}: step 5" in resumed.stdout
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "resumed"] == [3]  # from its final checkpoint
+
+
+def test_down_leaves_a_ray_a_run_is_using_and_stops_it_once_the_run_has_stopped(kept, tmp_path):
+    """`raytrainer down` while a run trains in another terminal: stopping its Ray would kill
+    its workers and lose what it did since its last checkpoint."""
+    a = project(tmp_path / "a", 1)
+    metrics = a / "runs" / "busy" / "metrics.jsonl"
+    run = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", "run.yaml", "--set", "run.name=busy",
+                            "--set", "trainer.max_steps=10000000", "--no-progress"], cwd=a, env=kept,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: metrics.exists() and metrics.stat().st_size, "the run's first steps", timeout_s=120,
+                   alive=lambda: run.poll() is None)
+        down = cli(["down"], tmp_path, kept)
+        assert down.returncode == 1 and "a run is using it" in down.stdout, down.stdout + down.stderr
+        assert "--force" in down.stdout and keeper_of(kept)
+        size = metrics.stat().st_size
+        wait_until(lambda: metrics.stat().st_size > size, "the run to train on", timeout_s=60,
+                   alive=lambda: run.poll() is None)
+        run.send_signal(signal.SIGINT)
+        out = run.communicate(timeout=patience(120))[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, out
+    down = cli(["down"], tmp_path, kept)
+    assert down.returncode == 0 and "stopped the local Ray" in down.stdout, down.stdout + down.stderr
 
 
 def listening(pid: int) -> set[int]:

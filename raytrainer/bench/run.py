@@ -291,7 +291,7 @@ def running_ray(needed: bool) -> Iterator[str | None]:
         localray.up(folder, minutes=10)
         yield str(folder)
     finally:
-        localray.down(folder)
+        localray.down(folder, force=True)  # its contenders are stopped: what is left goes
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -36,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     sub.add_parser("up", help="start the local Ray that runs keep for the next ones, now (RAYTRAINER_KEEP_RAY)")
-    sub.add_parser("down", help="stop every local Ray that runs keep for the next ones (all of this user's)")
+    down = sub.add_parser("down", help="stop every local Ray that runs keep for the next ones (all of this user's); "
+                          "one a run is using is left up")
+    down.add_argument("--force", action="store_true",
+                      help="stop those a run is using too (the run loses what it did since its last checkpoint)")
     sub.add_parser("status", help="say which local Rays runs keep for the next ones, and where")
     plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/digits-*")
@@ -114,8 +117,9 @@ def _up(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from .localray import down
 
-    print(down())
-    return 0
+    said, all_down = down(force=args.force)
+    print(said)
+    return 0 if all_down else 1
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -351,18 +351,36 @@ def up(folder: Path | None = None, minutes: float | None = None) -> str:
     return info["address"]
 
 
-def down(folder: Path | None = None, timeout_s: float = 30.0) -> str:
+def down(folder: Path | None = None, timeout_s: float = 30.0, force: bool = False) -> tuple[str, bool]:
     """Stop the local Ray kept in `folder`, or every one kept for this user (kept_dirs): its
-    keeper, and with it every process of that Ray."""
+    keeper, and with it every process of that Ray. One a run is using is left up unless
+    `force` (its workers would die, the run losing what it did since its last checkpoint).
+    Returns what was done, and whether every one asked for is down."""
     folders = [folder] if folder is not None else kept_dirs()
-    done = [_stop(f, timeout_s) for f in folders]
-    return "\n".join(line for line in done if line) or "no local Ray kept by raytrainer is running"
+    done = [_stop(f, timeout_s, force) for f in folders]
+    said = "\n".join(line for line, _ in done if line) or "no local Ray kept by raytrainer is running"
+    return said, all(stopped for _, stopped in done)
 
 
-def _stop(folder: Path, timeout_s: float) -> str | None:
+def _stop(folder: Path, timeout_s: float, force: bool) -> tuple[str | None, bool]:
     info = _keeper(folder)
     if info is None:
-        return None
+        return None, True
+    # Held while it stops: a run starting meanwhile finds it in use and starts its own Ray.
+    users = _lock(folder / "users.lock", tries=10)
+    if users is None and not force:
+        return (f"left up the local Ray at {info['address']} ({folder}): a run is using it. Stop that run first "
+                "(Ctrl-C: it stops with a checkpoint), or `raytrainer down --force` (the run loses what it did "
+                "since its last checkpoint)"), False
+    try:
+        _stop_keeper(folder, info, timeout_s)
+    finally:
+        if users is not None:
+            users.close()
+    return f"stopped the local Ray raytrainer kept ({info['address']}, {folder})", True
+
+
+def _stop_keeper(folder: Path, info: dict[str, Any], timeout_s: float) -> None:
     pid = info["pid"]
     for sig, grace in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
@@ -373,7 +391,6 @@ def _stop(folder: Path, timeout_s: float) -> str | None:
         if not _is_keeper(pid, folder):
             break
     (folder / "keeper.json").unlink(missing_ok=True)
-    return f"stopped the local Ray raytrainer kept ({info['address']}, {folder})"
 
 
 def status() -> str:
