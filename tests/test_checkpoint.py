@@ -206,6 +206,33 @@ def test_a_writer_dies_with_its_worker_killed_mid_write(tmp_path):
     assert not list(tmp_path.glob("run/checkpoints/*/COMMITTED"))
 
 
+def test_default_run_names_started_in_the_same_second_are_two_directories(tmp_path):
+    from raytrainer.driver.api import _new_name
+
+    storage = Storage(str(tmp_path / "runs"))
+    first, second = _new_name(storage, "digits"), _new_name(storage, "digits")
+    assert first != second and (tmp_path / "runs" / first).is_dir() and (tmp_path / "runs" / second).is_dir()
+    assert second.startswith(first + "-") or second > first  # -2 in the same second, else a later second
+
+
+def test_a_run_directory_is_held_by_one_run_and_left_only_where_something_was_written(tmp_path):
+    from raytrainer.driver.api import _held
+    from raytrainer.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    with _held(run_dir, run_dir / ".lock"):
+        assert f"pid {os.getpid()} on " in (run_dir / ".lock").read_text()
+        with pytest.raises(ConfigError, match=f"'{run_dir}' is in use by another run \\(pid {os.getpid()} on "):
+            with _held(run_dir, run_dir / ".lock"):
+                pass
+    assert not run_dir.exists()  # a run that failed before it wrote anything leaves no directory
+    with _held(run_dir, run_dir / ".lock"):
+        (run_dir / "config.yaml").write_text("x")
+    assert (run_dir / "config.yaml").exists()
+    with _held(run_dir, run_dir / ".lock"):  # released: the next run of the name holds it
+        pass
+
+
 def test_a_checkpoint_without_its_marker_is_invisible(tmp_path):
     ckpts = store(tmp_path, keep_last=5)
     ckpts.write(2, state(2), {})

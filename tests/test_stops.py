@@ -261,6 +261,27 @@ def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local,
     assert_no_leaks()
 
 
+def test_a_second_run_of_a_run_name_in_use_fails_and_touches_nothing_of_the_first(ray_local, tmp_path):
+    """The same command launched twice (a resubmitted job, a second terminal): the second
+    would resume from the first's checkpoints and write the same ones as it trains."""
+    run_dir = tmp_path / "runs" / "same"
+    first = start_cli(tmp_path, "same")
+    wait_for_step(run_dir, 5, first)
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "events.jsonl")}
+    second = start_cli(tmp_path, "same")
+    out = second.communicate(timeout=300)[0]
+    assert second.returncode == 2, out
+    assert f"run directory '{run_dir}' is in use by another run (pid {first.pid} on " in out, out
+    assert (run_dir / "config.yaml").read_bytes() == before["config.yaml"]
+    assert not [e for e in log(run_dir) if e["event"] in ("failed", "resumed")]  # nothing of the second's
+    seen = wait_for_step(run_dir, 5, first)
+    first.send_signal(signal.SIGINT)
+    out = first.communicate(timeout=300)[0]
+    assert first.returncode == 130, out
+    assert [e["step"] for e in log(run_dir) if e["event"] == "stopped"][0] >= seen
+    assert_no_leaks()
+
+
 def test_under_nohup_a_hang_up_is_ignored_as_nohup_promises(ray_local, tmp_path):
     run_dir = tmp_path / "runs" / "nohup"
     proc = start_cli(tmp_path, "nohup", prefix=["nohup"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import itertools
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -67,23 +69,26 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             "(run.resume: auto continues a run from its newest checkpoint)"
         )
     resolve_paths(config, os.getcwd())
+    storage = Storage(config.run.storage)
     if config.run.name is None:
         stem = stem or config.task.path.partition(":")[0].rsplit(".", 1)[-1]  # a module's: examples.digits -> digits
-        config.run.name = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    storage = Storage(config.run.storage)
-    run_dir = Path(storage.root) / config.run.name if storage.local else _local_mirror(storage, config.run.name)
-    resume = _find_resume(config, storage, run_dir)
+        config.run.name = _new_name(storage, stem)
+    name = config.run.name
+    held = Path(storage.root) / name if storage.local else _mirror_dir(storage, name)
+    with _held(held, held / ".lock" if storage.local else held.with_name(f"{name}.lock")):
+        run_dir = held if storage.local else _local_mirror(storage, name)
+        resume = _find_resume(config, storage, run_dir)
 
-    connected_here = not ray.is_initialized()
-    if connected_here:
-        init_ray(address)
-    try:
-        return _run(config, storage, run_dir, resume, progress=progress,
-                    cluster_can_grow=not localray.started_here(), callbacks=list(callbacks))
-    finally:
+        connected_here = not ray.is_initialized()
         if connected_here:
-            ray.shutdown()
-            localray.release()  # a kept Ray may serve another run now
+            init_ray(address)
+        try:
+            return _run(config, storage, run_dir, resume, progress=progress,
+                        cluster_can_grow=not localray.started_here(), callbacks=list(callbacks))
+        finally:
+            if connected_here:
+                ray.shutdown()
+                localray.release()  # a kept Ray may serve another run now
 
 
 def train_loop(fn: Any, config: str | Path | dict[str, Any] | None = None, overrides: Iterable[str] = (), *,
@@ -175,11 +180,73 @@ def resolve_use_gpu(scaling: Any, gpus: float, *, can_grow: bool, warn: Any = No
     return use_gpu
 
 
+def _new_name(storage: Storage, stem: str) -> str:
+    """The default run.name, `<stem>-<UTC time>`; on local storage one whose directory this
+    run makes (mkdir: atomic), so that runs started within the same second (a sweep, a
+    script) get one each: `-2`, `-3`, ... after the second."""
+    base = f"{stem}-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    if not storage.local:
+        return base
+    for n in itertools.count(1):
+        name = base if n == 1 else f"{base}-{n}"
+        try:
+            (Path(storage.root) / name).mkdir(parents=True)
+            return name
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _held(run_dir: Path, lock: Path):
+    """The run's directory held by this process for the whole run: an exclusive lock on
+    `lock` (its run directory's `.lock` on local storage, shared file systems included where
+    they lock; beside the local mirror for remote storage). A second run of the same
+    run.name would write the same checkpoints and logs: it fails, naming the holder. A
+    directory this left holding nothing but the lock (a run that failed before writing
+    anything) is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: unguarded
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    file = open(lock, "a+")
+    try:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} is in use by another run ({holder}); two runs would write the "
+                "same checkpoints and logs: let that one end (Ctrl-C there stops it with a checkpoint), or choose "
+                "another run.name (e.g. --set run.name=NEW)") from None
+        except OSError:  # a file system that does not lock (some NFS mounts): unguarded
+            pass
+        else:
+            file.seek(0)
+            file.truncate()
+            file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                       f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
+            file.flush()
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if lock.parent == run_dir and os.listdir(run_dir) == [lock.name]:
+                shutil.rmtree(run_dir)
+        file.close()
+
+
+def _mirror_dir(storage: Storage, name: str) -> Path:
+    digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "raytrainer" / digest / name
+
+
 def _local_mirror(storage: Storage, name: str) -> Path:
     """The driver writes its files (logs, TensorBoard, model.pt) locally; for remote storage
     into this mirror, refreshed from the storage and uploaded back as the run goes."""
-    digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:12]
-    mirror = Path(tempfile.gettempdir()) / "raytrainer" / digest / name
+    mirror = _mirror_dir(storage, name)
     shutil.rmtree(mirror, ignore_errors=True)
     mirror.mkdir(parents=True)
     for file in ("config.yaml", "metrics.jsonl", "events.jsonl", SinkStates.FILE):  # a resumed run appends
