@@ -220,16 +220,16 @@ def test_a_run_directory_is_held_by_one_run_and_left_only_where_something_was_wr
     from raytrainer.errors import ConfigError
 
     run_dir = tmp_path / "run"
-    with _held(run_dir, run_dir / ".lock"):
+    with _held(run_dir / ".lock", str(run_dir)):
         assert f"pid {os.getpid()} on " in (run_dir / ".lock").read_text()
         with pytest.raises(ConfigError, match=f"'{run_dir}' is in use by another run \\(pid {os.getpid()} on "):
-            with _held(run_dir, run_dir / ".lock"):
+            with _held(run_dir / ".lock", str(run_dir)):
                 pass
     assert not run_dir.exists()  # a run that failed before it wrote anything leaves no directory
-    with _held(run_dir, run_dir / ".lock"):
+    with _held(run_dir / ".lock", str(run_dir)):
         (run_dir / "config.yaml").write_text("x")
     assert (run_dir / "config.yaml").exists()
-    with _held(run_dir, run_dir / ".lock"):  # released: the next run of the name holds it
+    with _held(run_dir / ".lock", str(run_dir)):  # released: the next run of the name holds it
         pass
 
 

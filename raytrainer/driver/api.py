@@ -74,9 +74,12 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         stem = stem or config.task.path.partition(":")[0].rsplit(".", 1)[-1]  # a module's: examples.digits -> digits
         config.run.name = _new_name(storage, stem)
     name = config.run.name
-    held = Path(storage.root) / name if storage.local else _mirror_dir(storage, name)
-    with _held(held, held / ".lock" if storage.local else held.with_name(f"{name}.lock")):
-        run_dir = held if storage.local else _local_mirror(storage, name)
+    if storage.local:
+        lock, shown = Path(storage.root) / name / ".lock", str(Path(storage.root) / name)
+    else:
+        lock, shown = _mirror_dir(storage, name).with_name(f"{name}.lock"), f"{storage.uri.rstrip('/')}/{name}"
+    with _held(lock, shown):
+        run_dir = lock.parent if storage.local else _local_mirror(storage, name)
         resume = _find_resume(config, storage, run_dir)
 
         connected_here = not ray.is_initialized()
@@ -198,12 +201,12 @@ def _new_name(storage: Storage, stem: str) -> str:
 
 
 @contextlib.contextmanager
-def _held(run_dir: Path, lock: Path):
-    """The run's directory held by this process for the whole run: an exclusive lock on
-    `lock` (its run directory's `.lock` on local storage, shared file systems included where
-    they lock; beside the local mirror for remote storage). A second run of the same
-    run.name would write the same checkpoints and logs: it fails, naming the holder. A
-    directory this left holding nothing but the lock (a run that failed before writing
+def _held(lock: Path, shown: str):
+    """The run directory `shown` held by this process for the whole run: an exclusive lock
+    on `lock` (the run directory's `.lock` on local storage, shared file systems included
+    where they lock; beside the local mirror for remote storage). A second run of the same
+    run.name would write the same checkpoints and logs: it fails, naming the holder. A run
+    directory this left holding nothing but its lock (a run that failed before writing
     anything) is removed."""
     try:
         import fcntl
@@ -219,7 +222,7 @@ def _held(run_dir: Path, lock: Path):
             file.seek(0)
             holder = file.read().strip() or "another process"
             raise ConfigError(
-                f"run directory {str(run_dir)!r} is in use by another run ({holder}); two runs would write the "
+                f"run directory {shown!r} is in use by another run ({holder}); two runs would write the "
                 "same checkpoints and logs: let that one end (Ctrl-C there stops it with a checkpoint), or choose "
                 "another run.name (e.g. --set run.name=NEW)") from None
         except OSError:  # a file system that does not lock (some NFS mounts): unguarded
@@ -233,8 +236,8 @@ def _held(run_dir: Path, lock: Path):
         yield
     finally:
         with contextlib.suppress(OSError):
-            if lock.parent == run_dir and os.listdir(run_dir) == [lock.name]:
-                shutil.rmtree(run_dir)
+            if lock.name == ".lock" and os.listdir(lock.parent) == [lock.name]:
+                shutil.rmtree(lock.parent)
         file.close()
 
 
