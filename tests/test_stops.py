@@ -226,6 +226,9 @@ def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local,
     def own_terminal():  # a session of its own, with the pty as its controlling terminal
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # As a shell in a terminal starts it: not with the SIGHUP this test may inherit ignored
+        # (a suite run under nohup; the nohup test below is that case).
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     proc = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--address",
                              ray.get_runtime_context().gcs_address], cwd=tmp_path, stdin=terminal, stdout=terminal,
