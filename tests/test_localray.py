@@ -93,7 +93,7 @@ def test_the_kept_ray_stops_by_itself_once_idle_and_a_run_that_finds_it_in_use_s
     monkeypatch.setenv("RAYTRAINER_KEEP_RAY", "5")
     try:
         # Another run holds it: this one does not wait for it, nor start a second keeper.
-        other = localray._lock(Path(folder) / "users.lock")
+        other = localray.try_lock(Path(folder) / "users.lock")
         assert localray._hold_kept() is None and not (Path(folder) / "keeper.json").exists()
         other.close()
         # Idle (no run holds it) for its idle time: it stops, and every process of its Ray.

@@ -208,37 +208,30 @@ def _held(lock: Path, shown: str):
     run.name would write the same checkpoints and logs: it fails, naming the holder. A run
     directory this left holding nothing but its lock (a run that failed before writing
     anything) is removed."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: unguarded
-        yield
-        return
     lock.parent.mkdir(parents=True, exist_ok=True)
-    file = open(lock, "a+")
     try:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            raise ConfigError(
-                f"run directory {shown!r} is in use by another run ({holder}); two runs would write the "
-                "same checkpoints and logs: let that one end (Ctrl-C there stops it with a checkpoint), or choose "
-                "another run.name (e.g. --set run.name=NEW)") from None
-        except OSError:  # a file system that does not lock (some NFS mounts): unguarded
-            pass
-        else:
-            file.seek(0)
-            file.truncate()
-            file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
-                       f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
-            file.flush()
+        file = localray.try_lock(lock)
+    except (ImportError, OSError):  # not POSIX, or a file system that does not lock (some NFS mounts)
+        file = False  # unguarded
+    if file is None:
+        holder = lock.read_text().strip() or "another process"
+        raise ConfigError(
+            f"run directory {shown!r} is in use by another run ({holder}); two runs would write the "
+            "same checkpoints and logs: let that one end (Ctrl-C there stops it with a checkpoint), or choose "
+            "another run.name (e.g. --set run.name=NEW)")
+    if file:
+        file.truncate(0)
+        file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                   f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
+        file.flush()
+    try:
         yield
     finally:
         with contextlib.suppress(OSError):
             if lock.name == ".lock" and os.listdir(lock.parent) == [lock.name]:
                 shutil.rmtree(lock.parent)
-        file.close()
+        if file:
+            file.close()
 
 
 def _mirror_dir(storage: Storage, name: str) -> Path:

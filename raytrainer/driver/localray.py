@@ -238,7 +238,7 @@ def _hold_kept() -> _Hold | None:
         return _held
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = _lock(folder / "users.lock", tries=10)
+    lock = try_lock(folder / "users.lock", tries=10)
     if lock is None:
         return None
     info = _keeper(folder)
@@ -252,9 +252,10 @@ def _hold_kept() -> _Hold | None:
     return _held
 
 
-def _lock(path: Path, tries: int = 1) -> Any:
+def try_lock(path: Path, tries: int = 1) -> Any:
     """The file at `path`, open and exclusively flock'ed, or None if another process holds
-    it (`tries` attempts 20 ms apart: the keeper holds it for a moment when it looks)."""
+    it (`tries` attempts 20 ms apart: the keeper holds it for a moment when it looks). Any
+    other OSError (a file system that does not lock) is raised, the file closed."""
     import fcntl
 
     f = open(path, "a")
@@ -265,6 +266,9 @@ def _lock(path: Path, tries: int = 1) -> Any:
         except BlockingIOError:
             if attempt + 1 < tries:
                 time.sleep(0.02)
+        except OSError:
+            f.close()
+            raise
     f.close()
     return None
 
@@ -367,7 +371,7 @@ def _stop(folder: Path, timeout_s: float, force: bool) -> tuple[str | None, bool
     if info is None:
         return None, True
     # Held while it stops: a run starting meanwhile finds it in use and starts its own Ray.
-    users = _lock(folder / "users.lock", tries=10)
+    users = try_lock(folder / "users.lock", tries=10)
     if users is None and not force:
         return (f"left up the local Ray at {info['address']} ({folder}): a run is using it. Stop that run first "
                 "(Ctrl-C: it stops with a checkpoint), or `raytrainer down --force` (the run loses what it did "
@@ -403,7 +407,7 @@ def status() -> str:
         if info is None:  # stopped since kept_dirs looked
             continue
         idle_s, since = info.get("idle_s", 0.0), info.get("idle_since")
-        free = _lock(folder / "users.lock")
+        free = try_lock(folder / "users.lock")
         if free is None:
             use = "in use by a run"
         else:
@@ -426,7 +430,7 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
     import ray
 
     folder = Path(folder)
-    mine = _lock(folder / "keeper.lock")
+    mine = try_lock(folder / "keeper.lock")
     if mine is None:
         return  # another keeper of this folder is starting or up
     stop = threading.Event()
@@ -450,7 +454,7 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
         record()
         idle_since = time.monotonic()  # until the run that started it connects
         while not stop.wait(check_s):
-            free = _lock(folder / "users.lock")
+            free = try_lock(folder / "users.lock")
             if free is None:
                 if idle_since is not None:
                     idle_since = None
