@@ -3,11 +3,13 @@ small scripts that run the step here, so the allocation's two "nodes" are two
 raylets on this machine. The script must start both, train across them, pass the
 run's exit status on and leave no Ray process behind."""
 
+import contextlib
 import json
 import os
 import signal
 import stat
 import subprocess
+import types
 
 import pytest
 
@@ -98,6 +100,28 @@ def test_the_runs_exit_status_is_the_jobs(tmp_path):
     assert "up to 65 workers (scaling.max_workers" in proc.stderr
 
 
+@contextlib.contextmanager
+def one_node_job(tmp_path, name, *overrides, **env_changes):
+    """A job on one node with one worker training run.name `name` for long, under way; on the
+    way out it is killed if still running, and `.left` says which Ray processes it left."""
+    env, temp_dir = job(tmp_path, "n1")
+    env.update(env_changes)
+    running = types.SimpleNamespace(env=env, metrics=tmp_path / name / "metrics.jsonl", left=None)
+    running.proc = subprocess.Popen(command(tmp_path, "--set", f"run.name={name}", "--set", "scaling.num_workers=1",
+                                         *overrides),
+                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield running
+    finally:
+        if running.proc.poll() is None:
+            running.proc.kill()
+        running.left = wait_gone(temp_dir, timeout_s=5)
+
+
+def wait_for_metrics(running):
+    wait_until(lambda: running.metrics.exists() and running.metrics.stat().st_size, "the run's first metrics",
+               timeout_s=120, alive=lambda: running.proc.poll() is None)
+
 
 @pytest.mark.parametrize("moment", ["as-the-nodes-join", "mid-run"])
 def test_a_job_whose_head_loses_a_ray_process_ends_and_leaves_nothing(tmp_path, moment):
@@ -105,53 +129,32 @@ def test_a_job_whose_head_loses_a_ray_process_ends_and_leaves_nothing(tmp_path, 
     then kills the head's other processes, its GCS among them, and with Ray 2.60 may never
     exit; a driver without its GCS retries for ever. Either held the job to its time limit.
     The job must end, failed, with every Ray process it started gone."""
-    env, temp_dir = job(tmp_path, "n1")
-    env["RAY_STOP_TIMEOUT_S"] = "5"
-    port = env["RAY_HEAD_ARGS"].split("--ray-client-server-port=")[1].split()[0]
-    metrics = tmp_path / "lost" / "metrics.jsonl"
-    proc = subprocess.Popen(command(tmp_path, "--set", "run.name=lost", "--set", "trainer.max_epochs=200",
-                                    "--set", "scaling.num_workers=1"),
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with one_node_job(tmp_path, "lost", "--set", "trainer.max_epochs=200", RAY_STOP_TIMEOUT_S="5") as running:
+        port = running.env["RAY_HEAD_ARGS"].split("--ray-client-server-port=")[1].split()[0]
         if moment == "mid-run":
-            wait_until(lambda: metrics.exists() and metrics.stat().st_size, "the run's first metrics", timeout_s=120,
-                       alive=lambda: proc.poll() is None)
+            wait_for_metrics(running)
         server = wait_until(lambda: [pid for pid, _, cmdline in live_processes()
                                      if b"ray.util.client.server" in cmdline and f"--port={port}".encode() in cmdline],
-                            "the head's Ray client server", timeout_s=120, alive=lambda: proc.poll() is None)
+                            "the head's Ray client server", timeout_s=120, alive=lambda: running.proc.poll() is None)
         os.kill(server[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=patience(120))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        left = wait_gone(temp_dir, timeout_s=5)
-    assert proc.returncode != 0, out
+        out, _ = running.proc.communicate(timeout=patience(120))
+    assert running.proc.returncode != 0, out
     # Ray's line, then the script's: it saw the head go down and stopped (or outlived) the step.
     assert "Remaining processes will be killed" in out and "raytrainer.sbatch: the Ray head on n1 " in out, out
-    assert left == [], f"the job left Ray processes behind: {left}\n{out}"
+    assert running.left == [], f"the job left Ray processes behind: {running.left}\n{out}"
 
 
 def test_a_sigterm_to_the_job_stops_the_run_with_a_checkpoint_before_ray(tmp_path):
     """What `scancel --batch --signal=TERM`, or the script's `--signal=B:TERM@180` before
     the time limit, sends: SIGTERM to the batch shell only. The run must stop at a step
     boundary with a checkpoint there, and only then Ray; the job's status is the run's."""
-    env, temp_dir = job(tmp_path, "n1")
-    metrics = tmp_path / "term" / "metrics.jsonl"
-    proc = subprocess.Popen(command(tmp_path, "--set", "run.name=term", "--set", "trainer.max_epochs=5000",
-                                    "--set", "scaling.num_workers=1"),
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until(lambda: metrics.exists() and metrics.stat().st_size, "the run's first metrics", timeout_s=120,
-                   alive=lambda: proc.poll() is None)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=patience(120))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        left = wait_gone(temp_dir, timeout_s=5)
-    assert proc.returncode == 143, out
+    with one_node_job(tmp_path, "term", "--set", "trainer.max_epochs=5000") as running:
+        wait_for_metrics(running)
+        running.proc.send_signal(signal.SIGTERM)
+        out, _ = running.proc.communicate(timeout=patience(120))
+    assert running.proc.returncode == 143, out
     events = [json.loads(line) for line in (tmp_path / "term" / "events.jsonl").read_text().splitlines()]
     (stopped,) = [e for e in events if e["event"] == "stopped"]
     assert stopped["signal"] == "SIGTERM" and stopped["checkpoint_step"] == stopped["step"] > 0, out
     assert "continue with: raytrainer resume" in out, out
-    assert left == [], f"the job left Ray processes behind: {left}\n{out}"
+    assert running.left == [], f"the job left Ray processes behind: {running.left}\n{out}"

@@ -132,9 +132,8 @@ class SlowTask(Task):
 '''
 
 
-def start_cli(tmp_path, name, *extra, prefix=()):
-    """`raytrainer train` from the user's directory, as a user runs it, on the tests' Ray
-    (after `prefix`: nohup, say)."""
+def cli_command(tmp_path, name, progress=False):
+    """`raytrainer train` of a user's slow task from their directory (tmp_path), on the tests' Ray."""
     import ray
 
     (tmp_path / "usertask.py").write_text(USER_TASK)
@@ -144,19 +143,30 @@ def start_cli(tmp_path, name, *extra, prefix=()):
         + "scaling: {num_workers: 2}\ncheckpoint: {every_n_steps: 20}\n"
         + f"run: {{name: {name}, storage: {tmp_path / 'runs'}}}\n")  # absolute: workers on the tests' Ray run elsewhere
     address = ray.get_runtime_context().gcs_address
-    command = [*prefix, sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--no-progress", "--address", address]
-    return subprocess.Popen(command + list(extra), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return [sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--address", address,
+            *([] if progress else ["--no-progress"])]
+
+
+def start_cli(tmp_path, name, *extra, prefix=()):
+    """`raytrainer train` from the user's directory, as a user runs it, on the tests' Ray
+    (after `prefix`: nohup, say)."""
+    return subprocess.Popen([*prefix, *cli_command(tmp_path, name), *extra], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def last_step(run_dir):
+    """The step of metrics.jsonl's last whole row (0 before the first)."""
+    path = run_dir / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
 
 
 def wait_for_step(run_dir, step, proc):
     """Until metrics.jsonl has a row past `step` (the run trains: past its first checkpoint)."""
     while True:
         assert proc.poll() is None, proc.stdout.read()
-        path = run_dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        if lines and json.loads(lines[-1])["step"] > step:
-            return json.loads(lines[-1])["step"]
+        if (seen := last_step(run_dir)) > step:
+            return seen
         time.sleep(0.2)
 
 
@@ -215,12 +225,6 @@ def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local,
     import termios
 
     run_dir = tmp_path / "runs" / "hup"
-    (tmp_path / "usertask.py").write_text(USER_TASK)
-    (tmp_path / "slow.yaml").write_text(
-        "task: {target: usertask:SlowTask}\ntrainer: {max_steps: 100000, global_batch_size: 32}\n"
-        f"scaling: {{num_workers: 2}}\ncheckpoint: {{every_n_steps: 20}}\nrun: {{name: hup, storage: {tmp_path / 'runs'}}}\n")
-    import ray
-
     master, terminal = pty.openpty()
 
     def own_terminal():  # a session of its own, with the pty as its controlling terminal
@@ -230,9 +234,8 @@ def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local,
         # (a suite run under nohup; the nohup test below is that case).
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
-    proc = subprocess.Popen([sys.executable, "-m", "raytrainer", "train", "slow.yaml", "--address",
-                             ray.get_runtime_context().gcs_address], cwd=tmp_path, stdin=terminal, stdout=terminal,
-                            stderr=terminal, preexec_fn=own_terminal)
+    proc = subprocess.Popen(cli_command(tmp_path, "hup", progress=True), cwd=tmp_path, stdin=terminal,
+                            stdout=terminal, stderr=terminal, preexec_fn=own_terminal)
     os.close(terminal)
     shown = []
 
@@ -249,8 +252,8 @@ def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local,
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        seen = wait_until(lambda: (run_dir / "metrics.jsonl").exists() and len(log_rows(run_dir)) > 25 and
-                          log_rows(run_dir)[-1]["step"], "25 steps", timeout_s=120, alive=lambda: proc.poll() is None)
+        seen = wait_until(lambda: (step := last_step(run_dir)) > 25 and step, "25 steps", timeout_s=120,
+                          alive=lambda: proc.poll() is None)
         os.close(master)  # the hang-up
         proc.wait(timeout=300)
     finally:
@@ -296,10 +299,6 @@ def test_under_nohup_a_hang_up_is_ignored_as_nohup_promises(ray_local, tmp_path)
     assert proc.returncode == 143, out
     assert [e["signal"] for e in log(run_dir) if e["event"] == "stopped"] == ["SIGTERM"]
     assert_no_leaks()
-
-
-def log_rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
 def test_a_second_sigint_aborts_at_once_leaving_nothing_behind(ray_local, tmp_path):
