@@ -63,11 +63,13 @@ def _connect(to: str, **options) -> None:
     if ray.is_initialized():
         ray.shutdown()  # a local Ray this process started stops; a cluster is only left
     _connected["to"] = None
+    from raytrainer.driver._internals import patient_node_start
     from raytrainer.driver.localray import settings
 
     # The local Ray as raytrainer starts one by default (RAY_SETTINGS: its workers at nice 0,
-    # no task events or metrics kept); a cluster runs as a user's `ray start` does.
-    with settings() if to == "local" else contextlib.nullcontext():
+    # no task events or metrics kept; its node's start not failed after Ray's fixed 30 s); a
+    # cluster runs as a user's `ray start` does.
+    with settings() if to == "local" else contextlib.nullcontext(), patient_node_start():
         ray.init(address=to, logging_level="WARNING", **options)
     _connected["to"] = to
 

@@ -161,17 +161,10 @@ def local_cluster(nodes: int):
 
     from raytrainer.bench.rt import local_cluster as head_only
 
-    for attempt in range(3):
-        temp_dir = short_temp_dir()
-        try:
-            cluster = head_only(temp_dir)
-            break
-        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception
-            # Ray waits a fixed 30 s for the head's raylet to register with its GCS: on a slow
-            # day (a load of 35 on 2 cores) it took longer. Its processes are ours: gone, again.
-            if "timed out during startup" not in str(exc) or attempt == 2:
-                raise
-            wait_gone(temp_dir, timeout_s=0.0)
+    temp_dir = short_temp_dir()
+    # Its nodes get longer than Ray's fixed 30 s to register with its GCS, which on a slow
+    # day (a load of 35 on 2 cores) was too short (driver/_internals.patient_node_start).
+    cluster = head_only(temp_dir)
     for _ in range(nodes):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

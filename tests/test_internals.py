@@ -8,6 +8,9 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import ray
@@ -74,6 +77,8 @@ NAMES = [
      "joining a user's `ray start` Ray before the kept local Ray (driver/_internals.bootstrap_address)"),
     (RAY, "ray._private.authentication.authentication_token_setup", "logger",
      "not printing Ray's token-auth notice for a Ray raytrainer starts (driver/_internals.quiet_token_auth_notice)"),
+    (RAY, "ray._private.services", "get_node",
+     "a node's start given longer than Ray's fixed 30 s (driver/_internals.patient_node_start)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
     (RAY, "ray._private.worker", "print_to_stdstream",
@@ -103,6 +108,56 @@ def test_a_ray_that_ray_init_starts_can_still_be_given_a_free_dashboard_agent_po
     with driver_internals.no_fixed_ports():
         assert RayParams().dashboard_agent_listen_port not in (0, 52365, default.default)
     assert RayParams().dashboard_agent_listen_port == default.default
+
+
+def test_a_node_ray_starts_still_waits_for_its_raylet_through_services_get_node():
+    """driver/_internals.patient_node_start replaces services.get_node, which Ray's fixed wait
+    for a new node's raylet asks in a loop."""
+    source = inspect.getsource(ray._private.node.Node.__init__)
+    assert "raylet_start_wait_time_s" in source and "ray._private.services.get_node(" in source, (
+        f"{RAY}: a node's start no longer waits for its raylet by asking services.get_node, which raytrainer "
+        "replaces to give a slow start longer than 30 s (driver/_internals.patient_node_start)")
+
+
+def test_a_slow_node_start_is_waited_for_while_its_raylet_lives_and_no_longer(monkeypatch):
+    """driver/_internals.patient_node_start: each services.get_node that Ray's loop makes
+    (one call here) waits for the node while its raylet lives, up to the time given."""
+    from ray._private import services
+
+    asked = []
+    registered_at = {"ab" * 28: 4, "cd" * 28: None}  # the node's raylet registers at this ask (None: never)
+
+    def get_node(gcs_address, node_id):
+        asked.append(node_id)
+        if len(asked) != registered_at[node_id]:
+            raise RuntimeError("Failed to get node info")  # as Ray's, while the raylet has not registered
+        return {"NodeID": node_id}
+
+    monkeypatch.setattr(services, "get_node", get_node)
+    # Processes with the raylet's flag naming the node in their command line, as a raylet has.
+    raylets = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--node_id={node}"])
+               for node in registered_at]
+    try:
+        with driver_internals.patient_node_start(30):
+            assert services.get_node("gcs:1", "ab" * 28) == {"NodeID": "ab" * 28}
+        assert len(asked) == 4 and services.get_node is get_node
+
+        asked.clear()
+        started = time.monotonic()
+        with driver_internals.patient_node_start(0.5), pytest.raises(RuntimeError):  # up to its time, no longer
+            services.get_node("gcs:1", "cd" * 28)
+        assert time.monotonic() - started >= 0.5 and len(asked) >= 2
+
+        raylets[1].kill()
+        raylets[1].wait()
+        asked.clear()
+        with driver_internals.patient_node_start(30), pytest.raises(RuntimeError):  # its raylet gone: at once
+            services.get_node("gcs:1", "cd" * 28)
+        assert len(asked) == 1
+    finally:
+        for raylet in raylets:
+            raylet.kill()
+            raylet.wait()
 
 
 def test_rays_death_notice_of_a_worker_raytrainer_killed_is_not_printed_and_any_other_is(capsys):

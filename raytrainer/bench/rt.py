@@ -192,14 +192,22 @@ def local_cluster(temp_dir: str | None = None) -> Any:
     """A multi-node Ray on this machine (ray.cluster_utils): a head with no CPUs for workers,
     in `temp_dir` or a short temp dir of its own (Ray's sockets live under it). Cluster
     records its head's address where Ray looks for a `ray start` ($RAY_TMPDIR, else $TMPDIR,
-    else /tmp, then ray/), which must exist."""
+    else /tmp, then ray/), which must exist. Each node it starts, the head's included, gets
+    driver._internals.patient_node_start's time to register, not Ray's fixed 30 s."""
     from ray.cluster_utils import Cluster
+
+    from ..driver._internals import patient_node_start
+
+    class PatientCluster(Cluster):
+        def add_node(self, *args: Any, **kwargs: Any) -> Any:
+            with patient_node_start():
+                return super().add_node(*args, **kwargs)
 
     os.makedirs(os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray"),
                 exist_ok=True)
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rtb-", dir="/tmp")
-    return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                         "temp_dir": temp_dir})
+    return PatientCluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                "temp_dir": temp_dir})
 
 
 def grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import time
 from typing import Any, Iterator
@@ -126,6 +127,60 @@ def no_fixed_ports() -> Iterator[None]:
     finally:
         RayParams.__init__ = init
 
+
+NODE_START_S = 90.0
+"""How long a node raytrainer starts may take to register with its GCS (patient_node_start)."""
+
+
+@contextlib.contextmanager
+def patient_node_start(seconds: float = NODE_START_S) -> Iterator[None]:
+    """While it lasts, a Ray node started in this process (ray.init starting a local Ray,
+    ray.cluster_utils) gets `seconds` for its raylet to register with its GCS, not Ray's fixed
+    30 s (ray._private.node.Node.__init__, raylet_start_wait_time_s, which nothing sets).
+
+    On the 2-core VM at a load of 10-18 the kept local Ray's start failed so ("The current
+    node timed out during startup"; the run then started a Ray of its own, which started),
+    twice in a row in the README's test command on 2026-11-30. A slow start is not a failed
+    one: Ray's loop asks services.get_node until the node is there, and each ask here waits
+    on, as long as the node's raylet lives (a live process with `--node_id=<the node>` in its
+    command line; not checked where there is no /proc), up to `seconds` from the first. A
+    raylet that died fails as before, within Ray's 30 s."""
+    from ray._private import services
+
+    get_node = services.get_node
+    deadline: float | None = None
+
+    def waiting(gcs_address: str, node_id: str) -> Any:
+        nonlocal deadline
+        deadline = deadline or time.monotonic() + seconds
+        while True:
+            try:
+                return get_node(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline or not _raylet_lives(node_id):
+                    raise
+                time.sleep(0.2)
+
+    services.get_node = waiting
+    try:
+        yield
+    finally:
+        services.get_node = get_node
+
+
+def _raylet_lives(node_id: str) -> bool:
+    if not os.path.isdir("/proc/self"):
+        return True
+    flag = f"--node_id={node_id}".encode()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if flag in f.read().split(b"\0"):
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def enable_token_auth() -> None:

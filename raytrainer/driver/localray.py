@@ -209,7 +209,7 @@ def connect(address: str | None = None, **options: Any) -> None:
 def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
     import ray
 
-    with settings(), _internals.quiet_token_auth_notice():
+    with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
 
@@ -435,7 +435,8 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
         return  # another keeper of this folder is starting or up
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with settings(), _internals.no_fixed_ports(), _internals.quiet_token_auth_notice():
+    with settings(), _internals.no_fixed_ports(), _internals.quiet_token_auth_notice(), \
+            _internals.patient_node_start():
         ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False)
     try:
