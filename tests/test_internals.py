@@ -160,6 +160,38 @@ def test_a_slow_node_start_is_waited_for_while_its_raylet_lives_and_no_longer(mo
             raylet.wait()
 
 
+def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_path):
+    """patient_node_start is in force where raytrainer starts a node: the kept Ray's keeper, a
+    Ray for one run, and the bench's (and the tests') multi-node clusters."""
+    from ray._private import services
+    from ray.cluster_utils import Cluster
+
+    from raytrainer.bench.rt import local_cluster
+    from raytrainer.driver import localray
+
+    plain = services.get_node
+    patient = []
+
+    class Starting(Exception):
+        pass
+
+    def starts_a_node(*args, **kwargs):
+        patient.append(services.get_node is not plain)
+        raise Starting  # no Ray started: what is asked is only under what it would start
+
+    monkeypatch.setattr(ray, "init", starts_a_node)
+    monkeypatch.setattr(Cluster, "add_node", starts_a_node)
+    term = signal.getsignal(signal.SIGTERM)  # the keeper's handler, put back below
+    try:
+        for start in (lambda: localray._start_for_this_run("local", {}), lambda: localray.keep(tmp_path, 1.0),
+                      lambda: local_cluster(str(tmp_path))):
+            with pytest.raises(Starting):
+                start()
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert patient == [True, True, True] and services.get_node is plain
+
+
 def test_rays_death_notice_of_a_worker_raytrainer_killed_is_not_printed_and_any_other_is(capsys):
     """driver/_internals.mute_death_notice, on a notice as Ray 2.60 words it (the frozen-worker
     test of test_failure_shapes checks Ray's own, from a run)."""
