@@ -79,6 +79,8 @@ NAMES = [
      "not printing Ray's token-auth notice for a Ray raytrainer starts (driver/_internals.quiet_token_auth_notice)"),
     (RAY, "ray._private.services", "get_node",
      "a node's start given longer than Ray's fixed 30 s (driver/_internals.patient_node_start)"),
+    (RAY, "ray._private.utils", "get_dashboard_dependency_error",
+     "a minimal dashboard agent in the Rays raytrainer starts (driver/_internals.minimal_dashboard_agent)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
     (RAY, "ray._private.worker", "print_to_stdstream",
@@ -97,17 +99,21 @@ def test_a_placement_group_can_still_be_soft_targeted_at_a_node():
         "node the first gang placement chose (driver/_internals.single_slot_on)")
 
 
-def test_a_ray_that_ray_init_starts_can_still_be_given_a_free_dashboard_agent_port():
-    """driver/_internals.no_fixed_ports: RayParams' keyword, which ray.init leaves at 52365."""
-    from ray._private.parameter import RayParams
+def test_a_node_ray_starts_still_runs_its_dashboard_agent_minimal_where_ray_default_is_missing():
+    """driver/_internals.minimal_dashboard_agent: services.start_raylet adds --minimal to the
+    agent's command where get_dashboard_dependency_error answers (ray[default] is installed
+    here: it answers None but inside)."""
+    from ray._private import services, utils
 
-    default = inspect.signature(RayParams.__init__).parameters.get("dashboard_agent_listen_port")
-    assert default is not None, (
-        f"{RAY}: RayParams lost dashboard_agent_listen_port, which keeps the kept local Ray off the port a "
-        "user's `ray start --head` takes by default (driver/_internals.no_fixed_ports)")
-    with driver_internals.no_fixed_ports():
-        assert RayParams().dashboard_agent_listen_port not in (0, 52365, default.default)
-    assert RayParams().dashboard_agent_listen_port == default.default
+    source = inspect.getsource(services.start_raylet)
+    assert "ray._private.utils.get_dashboard_dependency_error()" in source and '"--minimal"' in source, (
+        f"{RAY}: the dashboard agent's --minimal no longer follows get_dashboard_dependency_error, which "
+        "raytrainer answers so that the raylet of a Ray it starts does not abort after 15 s waiting for a full "
+        "agent on a loaded machine (driver/_internals.minimal_dashboard_agent)")
+    assert utils.get_dashboard_dependency_error() is None
+    with driver_internals.minimal_dashboard_agent():
+        assert isinstance(utils.get_dashboard_dependency_error(), ImportError)
+    assert utils.get_dashboard_dependency_error() is None
 
 
 def test_a_node_ray_starts_still_waits_for_its_raylet_through_services_get_node():
@@ -161,9 +167,10 @@ def test_a_slow_node_start_is_waited_for_while_its_raylet_lives_and_no_longer(mo
 
 
 def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_path):
-    """patient_node_start is in force where raytrainer starts a node: the kept Ray's keeper, a
-    Ray for one run, and the bench's (and the tests') multi-node clusters."""
-    from ray._private import services
+    """patient_node_start (and with it a minimal dashboard agent) is in force where raytrainer
+    starts a node: the kept Ray's keeper, a Ray for one run, and the bench's (and the tests')
+    multi-node clusters."""
+    from ray._private import services, utils
     from ray.cluster_utils import Cluster
 
     from raytrainer.bench.rt import local_cluster
@@ -176,7 +183,7 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
         pass
 
     def starts_a_node(*args, **kwargs):
-        patient.append(services.get_node is not plain)
+        patient.append((services.get_node is not plain, utils.get_dashboard_dependency_error() is not None))
         raise Starting  # no Ray started: what is asked is only under what it would start
 
     monkeypatch.setattr(ray, "init", starts_a_node)
@@ -189,7 +196,8 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
                 start()
     finally:
         signal.signal(signal.SIGTERM, term)
-    assert patient == [True, True, True] and services.get_node is plain
+    assert patient == [(True, True)] * 3 and services.get_node is plain
+    assert utils.get_dashboard_dependency_error() is None
 
 
 def test_rays_death_notice_of_a_worker_raytrainer_killed_is_not_printed_and_any_other_is(capsys):

@@ -91,41 +91,37 @@ def quiet_token_auth_notice() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def no_fixed_ports() -> Iterator[None]:
-    """While it lasts, a Ray that ray.init starts takes no fixed port: its dashboard agent
-    listens on a free port, not on Ray's default 52365 (RayParams' default, which ray.init
-    does not let a caller set; its GCS, object manager, workers and metrics take free ports
-    already, and no dashboard or client server runs). For the kept local Ray
-    (localray.keep): a `ray start --head` beside it takes 52365 by default, and with its
-    agent unable to bind it, every `ray job submit` to that head failed ("No available agent
-    to submit job"). Without it: that again, for as long as a Ray is kept.
+def minimal_dashboard_agent() -> Iterator[None]:
+    """While it lasts, a Ray node started in this process runs its dashboard agent as Ray
+    runs it where ray[default]'s packages are missing (`--minimal`, chosen by
+    ray._private.utils.get_dashboard_dependency_error as services.start_raylet builds the
+    agent's command): no HTTP server, no metrics agent or exporter; the GCS, raylet, runtime
+    env agent and workers as before. Nothing raytrainer starts serves a dashboard, jobs or
+    metrics.
 
-    A port chosen here, not 0 (the agent's own choice): with 0 the raylet waits for the agent
-    to have loaded its modules and recorded the port before the node registers, seconds
-    more of a start on a busy machine. Taken by another process meanwhile, the agent serves
-    no HTTP (Ray logs it and goes on); raytrainer does not use it."""
-    import socket
+    - A start on a loaded machine: the raylet waits for its agent to write each of its
+      ports, 15 s a port (hard-coded: node_manager.cc, WaitForDashboardAgentPorts), then
+      aborts ("Timed out waiting for file .../metrics_agent_port_..."), and the node's start
+      fails. The full agent imports grpc's and aiohttp's servers and starts them first. On
+      the 2-core VM (2026-11-30), 10 Rays started at once: all 10 raylets aborted so; with
+      minimal agents all 10 started. The kept local Ray's start failed ("timed out during
+      startup") in 2 of the 4 runs of the README's test command that day.
+    - No fixed port: the full agent's HTTP server listens on 52365 (RayParams' default,
+      which ray.init does not let a caller set), the port a user's `ray start --head` beside
+      the kept Ray takes by default; with it taken, every `ray job submit` to that head
+      failed ("No available agent to submit job")."""
+    from ray._private import utils
 
-    from ray._private.parameter import RayParams
-    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
-
-    port = DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
-    while port == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:  # a free port may be it, by chance
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    init = RayParams.__init__
-
-    @functools.wraps(init)
-    def free_agent_port(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("dashboard_agent_listen_port", port)
-        init(self, *args, **kwargs)
-
-    RayParams.__init__ = free_agent_port
+    full = utils.get_dashboard_dependency_error
+    utils.get_dashboard_dependency_error = _no_dashboard
     try:
         yield
     finally:
-        RayParams.__init__ = init
+        utils.get_dashboard_dependency_error = full
+
+
+def _no_dashboard() -> ImportError:
+    return ImportError("raytrainer: this Ray serves no dashboard (_internals.minimal_dashboard_agent)")
 
 
 NODE_START_S = 90.0
@@ -144,7 +140,8 @@ def patient_node_start(seconds: float = NODE_START_S) -> Iterator[None]:
     one: Ray's loop asks services.get_node until the node is there, and each ask here waits
     on, as long as the node's raylet lives (a live process with `--node_id=<the node>` in its
     command line; not checked where there is no /proc), up to `seconds` from the first. A
-    raylet that died fails as before, within Ray's 30 s."""
+    raylet that died fails as before, within Ray's 30 s. Its dashboard agent runs minimal
+    (minimal_dashboard_agent): the raylet does not wait past 15 s for a full one."""
     from ray._private import services
 
     get_node = services.get_node
@@ -163,7 +160,8 @@ def patient_node_start(seconds: float = NODE_START_S) -> Iterator[None]:
 
     services.get_node = waiting
     try:
-        yield
+        with minimal_dashboard_agent():
+            yield
     finally:
         services.get_node = get_node
 

@@ -14,7 +14,8 @@ Python and Ray installation, since its workers run the keeper's interpreter), an
 records it where Ray looks (`ray start` writes /tmp/ray/ray_current_cluster, which a
 plain ray.init() joins; ray.init(address="local") always starts a new one). Nor does it
 stand in the way of a Ray the user starts: it takes none of the fixed ports `ray start
---head` takes by default (_internals.no_fixed_ports), and its keeper works in its own temp
+--head` takes by default (its dashboard agent runs minimal, with no HTTP server:
+_internals.minimal_dashboard_agent), and its keeper works in its own temp
 dir, not in the directory of the run that started it (a run's workers work in their run's:
 worker/actor.py).
 
@@ -435,8 +436,7 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
         return  # another keeper of this folder is starting or up
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with settings(), _internals.no_fixed_ports(), _internals.quiet_token_auth_notice(), \
-            _internals.patient_node_start():
+    with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start():
         ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False)
     try:
