@@ -79,7 +79,7 @@ NAMES = [
      "not printing Ray's token-auth notice for a Ray raytrainer starts (driver/_internals.quiet_token_auth_notice)"),
     (RAY, "ray._private.services", "get_node",
      "a node's start given longer than Ray's fixed 30 s (driver/_internals.patient_node_start)"),
-    (RAY, "ray._private.utils", "get_dashboard_dependency_error",
+    (RAY, "ray._private.utils", driver_internals.dashboard_check()[0],
      "a minimal dashboard agent in the Rays raytrainer starts (driver/_internals.minimal_dashboard_agent)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
@@ -101,19 +101,20 @@ def test_a_placement_group_can_still_be_soft_targeted_at_a_node():
 
 def test_a_node_ray_starts_still_runs_its_dashboard_agent_minimal_where_ray_default_is_missing():
     """driver/_internals.minimal_dashboard_agent: services.start_raylet adds --minimal to the
-    agent's command where get_dashboard_dependency_error answers (ray[default] is installed
-    here: it answers None but inside)."""
+    agent's command where ray._private.utils says ray[default] is missing (it is installed
+    here: it says so only inside)."""
     from ray._private import services, utils
 
+    name, answer = driver_internals.dashboard_check()
     source = inspect.getsource(services.start_raylet)
-    assert "ray._private.utils.get_dashboard_dependency_error()" in source and '"--minimal"' in source, (
-        f"{RAY}: the dashboard agent's --minimal no longer follows get_dashboard_dependency_error, which "
-        "raytrainer answers so that the raylet of a Ray it starts does not abort after 15 s waiting for a full "
-        "agent on a loaded machine (driver/_internals.minimal_dashboard_agent)")
-    assert utils.get_dashboard_dependency_error() is None
+    assert f"ray._private.utils.{name}()" in source and '"--minimal"' in source, (
+        f"{RAY}: the dashboard agent's --minimal no longer follows {name}, which raytrainer answers so that "
+        "the raylet of a Ray it starts does not abort after 15 s waiting for a full agent on a loaded machine "
+        "(driver/_internals.minimal_dashboard_agent)")
+    installed = getattr(utils, name)()
     with driver_internals.minimal_dashboard_agent():
-        assert isinstance(utils.get_dashboard_dependency_error(), ImportError)
-    assert utils.get_dashboard_dependency_error() is None
+        assert type(getattr(utils, name)()) is type(answer()) and getattr(utils, name)() != installed
+    assert getattr(utils, name)() == installed
 
 
 def test_a_node_ray_starts_still_waits_for_its_raylet_through_services_get_node():
@@ -177,13 +178,15 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
     from raytrainer.driver import localray
 
     plain = services.get_node
+    check = driver_internals.dashboard_check()[0]
+    installed = getattr(utils, check)()
     patient = []
 
     class Starting(Exception):
         pass
 
     def starts_a_node(*args, **kwargs):
-        patient.append((services.get_node is not plain, utils.get_dashboard_dependency_error() is not None))
+        patient.append((services.get_node is not plain, getattr(utils, check)() != installed))
         raise Starting  # no Ray started: what is asked is only under what it would start
 
     monkeypatch.setattr(ray, "init", starts_a_node)
@@ -197,7 +200,7 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
     finally:
         signal.signal(signal.SIGTERM, term)
     assert patient == [(True, True)] * 3 and services.get_node is plain
-    assert utils.get_dashboard_dependency_error() is None
+    assert getattr(utils, check)() == installed
 
 
 def test_rays_death_notice_of_a_worker_raytrainer_killed_is_not_printed_and_any_other_is(capsys):

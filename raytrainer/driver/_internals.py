@@ -16,7 +16,7 @@ import functools
 import os
 import re
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def started_local_ray() -> bool:
@@ -94,8 +94,7 @@ def quiet_token_auth_notice() -> Iterator[None]:
 def minimal_dashboard_agent() -> Iterator[None]:
     """While it lasts, a Ray node started in this process runs its dashboard agent as Ray
     runs it where ray[default]'s packages are missing (`--minimal`, chosen by
-    ray._private.utils.get_dashboard_dependency_error as services.start_raylet builds the
-    agent's command): no HTTP server, no metrics agent or exporter; the GCS, raylet, runtime
+    ray._private.utils' dashboard_check as services.start_raylet builds the agent's command): no HTTP server, no metrics agent or exporter; the GCS, raylet, runtime
     env agent and workers as before. Nothing raytrainer starts serves a dashboard, jobs or
     metrics.
 
@@ -112,16 +111,24 @@ def minimal_dashboard_agent() -> Iterator[None]:
       failed ("No available agent to submit job")."""
     from ray._private import utils
 
-    full = utils.get_dashboard_dependency_error
-    utils.get_dashboard_dependency_error = _no_dashboard
+    name, answer = dashboard_check()
+    full = getattr(utils, name)
+    setattr(utils, name, answer)
     try:
         yield
     finally:
-        utils.get_dashboard_dependency_error = full
+        setattr(utils, name, full)
 
 
-def _no_dashboard() -> ImportError:
-    return ImportError("raytrainer: this Ray serves no dashboard (_internals.minimal_dashboard_agent)")
+def dashboard_check() -> tuple[str, Callable[[], Any]]:
+    """The function of ray._private.utils that says whether ray[default]'s packages are
+    missing, and what it answers where they are: Ray 2.60's get_dashboard_dependency_error
+    (the import error), Ray 2.40's check_dashboard_dependencies_installed (False)."""
+    from ray._private import utils
+
+    if hasattr(utils, "get_dashboard_dependency_error"):
+        return "get_dashboard_dependency_error", lambda: ImportError("raytrainer: this Ray serves no dashboard")
+    return "check_dashboard_dependencies_installed", lambda: False
 
 
 NODE_START_S = 90.0
