@@ -93,10 +93,10 @@ def quiet_token_auth_notice() -> Iterator[None]:
 @contextlib.contextmanager
 def minimal_dashboard_agent() -> Iterator[None]:
     """While it lasts, a Ray node started in this process runs its dashboard agent as Ray
-    runs it where ray[default]'s packages are missing (`--minimal`, chosen by
-    ray._private.utils' dashboard_check as services.start_raylet builds the agent's command): no HTTP server, no metrics agent or exporter; the GCS, raylet, runtime
-    env agent and workers as before. Nothing raytrainer starts serves a dashboard, jobs or
-    metrics.
+    runs it where ray[default]'s packages are missing (`--minimal`: services.start_raylet
+    asks ray._private.utils as it builds the agent's command, see dashboard_check): no HTTP
+    server, no metrics agent or exporter; the GCS, raylet, runtime env agent and workers as
+    before. Nothing raytrainer starts serves a dashboard, jobs or metrics.
 
     - A start on a loaded machine: the raylet waits for its agent to write each of its
       ports, 15 s a port (hard-coded: node_manager.cc, WaitForDashboardAgentPorts), then
@@ -122,8 +122,9 @@ def minimal_dashboard_agent() -> Iterator[None]:
 
 def dashboard_check() -> tuple[str, Callable[[], Any]]:
     """The function of ray._private.utils that says whether ray[default]'s packages are
-    missing, and what it answers where they are: Ray 2.60's get_dashboard_dependency_error
-    (the import error), Ray 2.40's check_dashboard_dependencies_installed (False)."""
+    missing, and an answer of its that says they are: Ray 2.60's
+    get_dashboard_dependency_error (an import error), Ray 2.40's
+    check_dashboard_dependencies_installed (False)."""
     from ray._private import utils
 
     if hasattr(utils, "get_dashboard_dependency_error"):
