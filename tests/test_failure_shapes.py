@@ -292,6 +292,65 @@ def test_a_worker_found_dead_as_the_group_re_forms_is_counted_died_not_hung(ray_
             ray.kill(worker)
 
 
+def test_a_holder_late_to_the_rendezvous_is_asked_to_abort_again_not_killed(ray_local):
+    """A group forms and a peer dies: the workers still forming are asked to abort their
+    rendezvous. A survivor holding the training state that was not in it yet (loading the
+    state, or its call not started on a loaded machine) found nothing to abort, and waited
+    there for the dead peer; after FORM_GRACE_S it was killed, and with it the state: a
+    double kill right after a grow once restarted a 3-worker run from step 0 so (CI, load
+    14). Now it is asked again until it leaves, and stays a survivor."""
+    import threading
+
+    import ray
+
+    from raytrainer.config import load_config
+    from raytrainer.contract import Node, ReformFailed, Status
+    from raytrainer.driver.group.actors import CONTROL, Roster
+    from raytrainer.driver.group.forming import Forming
+    from raytrainer.errors import PeerFailure
+
+    late_s = Forming.FORM_GRACE_S + 2.0
+
+    @ray.remote(num_cpus=0, concurrency_groups={CONTROL: 1})
+    class Worker:
+        def __init__(self):
+            self.where, self.aborted = None, threading.Event()
+
+        def rendezvous(self):
+            return "127.0.0.1", 0
+
+        def regroup(self, rank, world_size, addr, port, state=None):
+            if rank == 1:
+                os._exit(1)  # the peer lost as the group forms
+            self.where = "before"
+            time.sleep(late_s)  # loading the state: an abort now finds no rendezvous to end
+            self.where = "joining"
+            if not self.aborted.wait(60):
+                return "waited for the dead peer"
+            raise PeerFailure("the rendezvous was aborted")
+
+        def abort(self):
+            if self.where == "joining":
+                self.aborted.set()
+
+        def status(self):
+            return Status(5, 5, "setup" if self.where is None else "step", forming=self.where, busy_s=None)
+
+    workers = [Worker.remote() for _ in range(2)]
+    killed = []
+    try:
+        config = load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1}})
+        roster = Roster(actors=workers, nodes=[Node(node_id="n", ip="127.0.0.1")] * 2)
+        forming = Forming(config, roster, killed.append)
+        with pytest.raises(ReformFailed) as failed:
+            forming.form({0: (False, None), 1: (False, None)}, use_gpu=False)
+        assert sorted((f.rank, f.kind) for f in failed.value.failures) == [(0, "interrupted"), (1, "died")]
+        assert failed.value.dead == [1] and killed == [1]  # the holder stays, with its state
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+
+
 def test_a_peer_killing_a_silent_worker_says_whether_its_process_was_frozen_or_gone(ray_local):
     """A recovery kills a worker silent once its peers stopped (recovery.settle) through a
     peer on its node that stopped too, which sees whether its process was still there: a

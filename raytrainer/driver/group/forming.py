@@ -17,7 +17,7 @@ or the lone one writes its copy beside it: reforming._secure.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ray
@@ -38,6 +38,7 @@ class Forming:
 
     def __init__(self, config: Config, roster: Roster, kill: Callable[[int], None]):
         self.config, self.roster, self.kill = config, roster, kill
+        self._aborts: list[tuple[int, Any]] = []  # (rank, its abort call) while a forming fails
         # The state every worker is to continue from, once taken from a survivor, with that
         # survivor's status; kept until the group has re-formed.
         self.secured: tuple[Status, Any] | None = None
@@ -176,7 +177,9 @@ class Forming:
         Returns each rank's result. If a call fails, the others are asked to abort the
         forming (their rendezvous would wait for the lost peer until the collective timeout)
         and get FORM_GRACE_S to return, each then a survivor holding what it held; those
-        still blocked (frozen, or not answering) are killed, and ReformFailed says who."""
+        still blocked (frozen, or not answering) are killed, and ReformFailed says who. A
+        worker that holds the training state (`regroup`) is killed only once it stops
+        answering (wait_answering's `holding`): killing it would lose what it holds."""
         actors = self.roster.actors
         world = len(actors)
         refs: dict[Any, int] = {}
@@ -192,7 +195,9 @@ class Forming:
                 refs[actors[rank].setup.remote(rank, world, addr, port, use_gpu, state)] = rank
             else:
                 refs[actors[rank].regroup.remote(rank, world, addr, port, state if take else None)] = rank
-        results, failures, pending = self.wait_answering(refs, grace_s=self.FORM_GRACE_S, abort=True)
+        holding = [rank for rank, (take, _) in calls.items() if take is not None]
+        results, failures, pending = self.wait_answering(refs, grace_s=self.FORM_GRACE_S, abort=True,
+                                                         holding=holding)
         if not failures:
             return results
         lost = sorted({f.rank for f in failures if f.kind != "interrupted"} | set(pending))
@@ -200,11 +205,15 @@ class Forming:
             self.kill(rank)
         raise ReformFailed(failures, lost)
 
-    def wait_answering(self, refs: dict[Any, int], grace_s: float,
-                       abort: bool = False) -> tuple[dict[int, Any], list[Failure], list[int]]:
+    def wait_answering(self, refs: dict[Any, int], grace_s: float, abort: bool = False,
+                       holding: Collection[int] = ()) -> tuple[dict[int, Any], list[Failure], list[int]]:
         """Wait for the calls `refs` (ref -> rank) to return: their results and failures,
         and the ranks still pending. After the first failure the others get `grace_s`
-        (with `abort`, asked to abort what they wait in, as a group forming does). A
+        (with `abort`, asked to abort what they wait in, as a group forming does, and again
+        every second: a worker not in the rendezvous yet as it was asked, still loading the
+        state or its call not started on a loaded machine, found nothing to end). The
+        ranks of `holding` (holders of the training state) are waited for after the grace
+        too, while they answer their control channel (_hold_on). A
         worker frozen meanwhile would hold the others (in a rendezvous, until
         failure.collective_timeout_s) or this wait: one that has not answered its control
         channel for step_timeout_s is hung. So is one that answers but has not reached the
@@ -227,17 +236,20 @@ class Forming:
             failures.append(failure)
             if deadline is None:
                 deadline = time.monotonic() + grace_s
-                for rank in (refs[ref] for ref in pending if abort and refs[ref] != failure.rank):
-                    control(self.roster.actors[rank], "abort").remote()
 
-        while pending and (deadline is None or time.monotonic() < deadline):
-            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+        def collect(ready: list[Any]) -> None:
             for ref in ready:
                 result = outcome(self.roster, refs[ref], ref)
                 if isinstance(result, Failure):
                     fail(result)
                 else:
                     results[refs[ref]] = result
+
+        while pending and (deadline is None or time.monotonic() < deadline):
+            if abort and deadline is not None:
+                self._abort([refs[ref] for ref in pending if refs[ref] not in {f.rank for f in failures}])
+            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            collect(ready)
             if ready or timeout_s is None:
                 continue
             waiting, now = [refs[ref] for ref in pending], time.monotonic()
@@ -260,4 +272,50 @@ class Forming:
                         fail(Failure(rank, "hung", f"did not reach the group's rendezvous for {timeout_s:g} s "
                                      "(failure.step_timeout_s) while its peers waited there", None,
                                      self.roster.ip(rank)))
+        failed = {f.rank for f in failures}
+        holders = {ref: refs[ref] for ref in pending if refs[ref] in holding and refs[ref] not in failed}
+        if holders and abort:
+            pending = self._hold_on(pending, holders, answered, collect)
+        self._aborted({refs[ref] for ref in pending})
         return results, failures, [refs[ref] for ref in pending]
+
+    HOLDER_SILENT_S = 10.0
+    """After the grace, a holder that has not answered its control channel this long is frozen."""
+
+    def _hold_on(self, pending: list[Any], holders: dict[Any, int], heard: dict[int, float],
+                 collect: Callable[[list[Any]], None]) -> list[Any]:
+        """After the grace of a forming that failed: wait on for the calls of the holders of
+        the training state still `pending` (ref -> rank), asking them to abort each second,
+        while each answers its control channel (`heard`: rank -> when it last did; frozen:
+        silent HOLDER_SILENT_S), for at most failure.collective_timeout_s (their rendezvous
+        ends by then anyway). Killing one that is slow, not stuck, would lose its state: a
+        holder late to the rendezvous was killed after the grace, and a 3-worker run that
+        lost two others close together started again from step 0 (CI, load 14). Returns the
+        calls still pending."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.config.failure.collective_timeout_s:
+            waiting = [rank for ref, rank in holders.items() if ref in pending]
+            now = time.monotonic()
+            for rank, status in zip(waiting, ask_once(self.roster, waiting, "status", timeout=1.0)):
+                if status is not None:
+                    heard[rank] = now
+            waiting = [rank for rank in waiting if now - heard[rank] < self.HOLDER_SILENT_S]
+            if not waiting:
+                break
+            self._abort(waiting)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            collect(ready)
+        return pending
+
+    def _abort(self, ranks: list[int]) -> None:
+        """Ask `ranks` to abort the forming they wait in (waited for by _aborted)."""
+        for rank in ranks:
+            self._aborts.append((rank, control(self.roster.actors[rank], "abort").remote()))
+
+    def _aborted(self, still: set[int]) -> None:
+        """Wait (2 s at most) until the aborts asked of the ranks not `still` pending are
+        done: one arriving late would end the next attempt's rendezvous instead."""
+        refs = [ref for rank, ref in self._aborts if rank not in still]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=2.0)
+        self._aborts = []
