@@ -147,7 +147,7 @@ def test_copy_now_writes_the_step_a_recovery_secured_elsewhere():
     _, _, state = training_state(width=64)
     name = f"raytrainer-copy-now-{os.getpid()}"
     worker = object.__new__(Worker)
-    worker._copy, worker.rank = None, 0
+    worker._copy, worker.rank = copies.LoneCopy(lambda: worker.rank), 0  # as Worker.__init__ makes it
     worker.loop = SimpleNamespace(step=12, state_dict=lambda: state, keeper=None)
     try:
         worker.keep_copy(name, secured=12)
@@ -157,6 +157,26 @@ def test_copy_now_writes_the_step_a_recovery_secured_elsewhere():
     finally:
         worker.keep_copy(None)
     assert not list(SHM.glob(f"{name}-*"))
+
+
+def test_a_copy_with_no_room_is_warned_of_and_training_goes_on_without_it(monkeypatch):
+    """The lone holder's keeper, where the copy finds no room: a warning naming the rank,
+    and the loop's keeper dropped (no step waits on a copy that cannot be made)."""
+    from types import SimpleNamespace
+
+    _, _, state = training_state(width=8)
+    monkeypatch.setattr(copies, "_free_bytes", lambda path: 0)
+    rank = [3]
+    lone = copies.LoneCopy(lambda: rank[0])
+    loop = SimpleNamespace(step=5, state_dict=lambda: state, keeper=None)
+    lone.keep(loop, f"raytrainer-no-room-{os.getpid()}")
+    assert loop.keeper is not None
+    rank[0] = 1  # renumbered since: the warning says the rank it has now
+    with pytest.warns(UserWarning, match=r"rank 1: no copy of the state kept .*no room for two copies"):
+        loop.keeper(6, loop.state_dict)
+    assert loop.keeper is None
+    lone.remove()
+    assert lone.copy is None
 
 
 def test_the_tensors_are_spread_whole_over_the_parts_largest_first():

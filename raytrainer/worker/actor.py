@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import os
 import socket
 import sys
@@ -33,6 +32,7 @@ from ..contract import CopiedState, Holdings, Node, RunEnd, Reshard, Snapshot, S
 from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 from . import building, control, keeping
+from .copies import LoneCopy
 from .forming import Forming, load, resolve
 from .warm import adopt
 
@@ -65,7 +65,7 @@ class Worker:
         # Kept across the groups this process trains in: a survivor goes back to its own
         # snapshot after the group it was taken in is gone (snapshot.py; sharded state).
         self._snapshots: Any = None
-        self._copy: Any = None  # a copy of the state in shared memory, while this worker is its only holder
+        self._copy = LoneCopy(lambda: self.rank)  # in shared memory, while this worker is the state's only holder
         self._backend = "gloo"
         self._run_thread: int | None = None  # the thread that trains, for status()
         self._forming = Forming()
@@ -166,6 +166,7 @@ class Worker:
         import time
 
         from .dist import leave_group
+        from .handover import save_model
 
         self._run_thread = threading.get_ident()
         self._forming.note_working()
@@ -187,7 +188,7 @@ class Worker:
         if self.loop.paused:
             return RunEnd("paused", self.loop.step, time=time.time())
         return RunEnd("finished", self.loop.step, stop_reason=self.loop.stop_reason,
-                      model_uri=self._save_model(weights) if weights is not None else None)
+                      model_uri=save_model(self.loop, self.config.run, weights) if weights is not None else None)
 
     def release(self) -> str | None:
         """After a run that finished: let go of what it made here; None where this process
@@ -198,8 +199,7 @@ class Worker:
                 self.loop.saver.close()
             if self._snapshots is not None:
                 self._snapshots.close()
-            if self._copy is not None:
-                self._copy.remove()
+            self._copy.remove()
         except Exception as exc:  # noqa: BLE001 (anything: the process is not kept)
             return f"the run's resources did not close: {type(exc).__name__}: {exc}"
         return keeping.release(self.__dict__.clear)
@@ -265,15 +265,7 @@ class Worker:
         step boundary from now on (this worker is the state's only holder: copies.py);
         None: stop, and remove it. `secured`: the step whose state the driver holds in the
         object store already, not copied again."""
-        from .copies import StateCopy
-
-        if self._copy is not None and prefix != self._copy.name:
-            self._copy.remove()
-            self._copy = None
-        if prefix is not None and self._copy is None:
-            self._copy = StateCopy(prefix, step=secured)
-        if self.loop is not None:
-            self.loop.keeper = self._keep if self._copy is not None else None
+        self._copy.keep(self.loop, prefix, secured)
 
     def copy_now(self, prefix: str) -> int | None:
         """keep_copy(prefix), with a copy of the step this worker is at in the files now:
@@ -281,23 +273,7 @@ class Worker:
         copy), and workers on this node may take the state from it. Returns that step; None
         where it cannot be written (warned of: the driver secures the state in the object
         store instead)."""
-        self.keep_copy(prefix)
-        if self._copy.written != self.loop.step:
-            self._copy.step = None  # a step secured elsewhere is in no file: write it
-        self._keep(self.loop.step, self.loop.state_dict)
-        return self._copy.written if self.loop.keeper is not None else None
-
-    def _keep(self, step: int, state_dict) -> None:
-        """The loop's keeper: a copy that cannot be made (no room) is warned of, never a
-        reason to stop training."""
-        try:
-            self._copy.take(step, state_dict)
-        except OSError as exc:
-            import warnings
-
-            warnings.warn(f"rank {self.rank}: no copy of the state kept beside this worker, its only holder "
-                          f"(a second failure now restarts from the newest checkpoint): {exc}", stacklevel=1)
-            self.loop.keeper = None
+        return self._copy.now(self.loop, prefix)
 
     def snapshots_held(self) -> Holdings:
         """The peer snapshots this worker holds (sharded state), for a recovery."""
@@ -324,8 +300,7 @@ class Worker:
         with _as_worker_error(self), self._forming.marked():
             if state is not None:  # first: should the group fail to form, this state is kept
                 self.loop.load_state_dict(load(resolve(state, self), building.copied_on_load(self.config)))
-            if self._copy is not None:  # a second holder is back (the driver says so again later)
-                self.loop.keeper = None
+            self._copy.pause(self.loop)  # a second holder is back (the driver says so again later)
             self._forming.join(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
             self.rank = rank
             self.loop.regroup(rank, world_size)
@@ -340,22 +315,6 @@ class Worker:
         return self.loop.step
 
     # ------------------------------------------------------------------ helpers
-
-    def _save_model(self, weights: dict[str, Any]) -> str:
-        """Write the final weights to <run.storage>/<run.name>/model.pt, whole or not at
-        all; return where (the driver hands that path to its loggers, never the bytes)."""
-        from ..checkpoint import Storage
-
-        from ..checkpoint import with_retries
-
-        run = self.config.run
-        storage = Storage(run.storage)
-        data = _dump(weights)
-        saver = self.loop.saver
-        kept = saver.kept if saver.checkpoints is not None else (lambda: "No checkpoint of this run is kept")
-        with_retries(lambda: storage.write_atomic(f"{run.name}/model.pt", data), "model.pt",
-                     storage.path(f"{run.name}/model.pt"), kept)
-        return storage.uri_of(f"{run.name}/model.pt")
 
     def _chaos_claim(self, fault: int, step: int) -> bool:
         """Once per run across processes: the first claim of (fault, step) in Ray's KV store."""
@@ -505,11 +464,3 @@ def _peer_failure(exc: Exception) -> bool:
     from . import _internals
 
     return isinstance(exc, dist.DistError) or _internals.is_gloo_transport_error(exc)
-
-
-def _dump(obj: Any) -> bytes:
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()

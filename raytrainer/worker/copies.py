@@ -19,11 +19,12 @@ SIGBUS. A tmpfs file takes one write at a time (its inode's lock): 2 GB into one
 2 threads took as long as from one, 0.97 s fresh and 0.51 s again; into 2 files, 0.50 and
 0.30 s.)
 
-Plain torch and numpy; no Ray.
+Plain torch (imported where a state is packed or read) and numpy; no Ray.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import mmap
 import os
@@ -31,11 +32,13 @@ import pickle
 import struct
 import tempfile
 import threading
-from typing import Any, Callable
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .transfer import Packed, pack
+if TYPE_CHECKING:
+    from .transfer import Packed
 
 _MAGIC = b"RTCOPY02"
 _HEADER = struct.Struct("<8sqqq")  # magic, step, complete, skeleton length
@@ -60,6 +63,8 @@ class StateCopy:
     def take(self, step: int, state_dict: Callable[[], Any]) -> None:
         if step == self.step:
             return
+        from .transfer import pack  # torch: not where this module is imported
+
         packed = pack(state_dict())
         sizes = [b.nbytes for b in packed.buffers]
         places, part_sizes = _place(sizes, min(MAX_PARTS, os.cpu_count() or 1, -(-sum(sizes) // PART_BYTES)))
@@ -95,6 +100,50 @@ class StateCopy:
     def remove(self) -> None:
         remove(self.name)
         self.prefix, self.step, self.written = None, None, None
+
+
+class LoneCopy:
+    """A worker's copy of the state beside it, while the driver says it is the state's only
+    holder (Worker.keep_copy, copy_now): the loop's keeper writes it at every step
+    boundary. A copy that cannot be made (no room) is warned of, never a reason to stop
+    training. `rank`: the worker's rank now, for the warning."""
+
+    def __init__(self, rank: Callable[[], int | None]):
+        self.copy: StateCopy | None = None
+        self._rank = rank
+
+    def keep(self, loop: Any, prefix: str | None, secured: int | None = None) -> None:
+        if self.copy is not None and prefix != self.copy.name:
+            self.remove()
+        if prefix is not None and self.copy is None:
+            self.copy = StateCopy(prefix, step=secured)
+        if loop is not None:
+            loop.keeper = functools.partial(self._write, loop) if self.copy is not None else None
+
+    def now(self, loop: Any, prefix: str) -> int | None:
+        self.keep(loop, prefix)
+        if self.copy.written != loop.step:
+            self.copy.step = None  # a step secured elsewhere is in no file: write it
+        self._write(loop, loop.step, loop.state_dict)
+        return self.copy.written if loop.keeper is not None else None
+
+    def pause(self, loop: Any) -> None:
+        """A second holder is back: no copy written until the driver says so again."""
+        if self.copy is not None:
+            loop.keeper = None
+
+    def remove(self) -> None:
+        if self.copy is not None:
+            self.copy.remove()
+            self.copy = None
+
+    def _write(self, loop: Any, step: int, state_dict: Callable[[], Any]) -> None:
+        try:
+            self.copy.take(step, state_dict)
+        except OSError as exc:
+            warnings.warn(f"rank {self._rank()}: no copy of the state kept beside this worker, its only holder "
+                          f"(a second failure now restarts from the newest checkpoint): {exc}", stacklevel=1)
+            loop.keeper = None
 
 
 def _place(sizes: list[int], parts: int) -> tuple[list[tuple[int, int]], list[int]]:
@@ -157,6 +206,8 @@ def read(name: str) -> tuple[int | None, Packed | None]:
             continue
     if best is None:
         return None, None
+    from .transfer import Packed
+
     step, path, skeleton = best
     skeleton, sizes, places = pickle.loads(skeleton)
     maps: dict[int, mmap.mmap] = {}

@@ -14,12 +14,13 @@ whole; at a pause they are what the next group re-shards, or, without them, a ch
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..checkpoint import Checkpoints, Committed
-from ..config import CheckpointConfig, TrainerConfig
+from ..checkpoint import Checkpoints, Committed, Storage, with_retries
+from ..config import CheckpointConfig, RunConfig, TrainerConfig
 from ..contract import Reshard, Snapshot
 from ..errors import ConfigError
 from .saver import CheckpointSaver
@@ -62,6 +63,35 @@ def check_resumable(saved: dict[str, Any], cfg: TrainerConfig) -> None:
             f"{saved['global_batch_size']}, this run has {cfg.global_batch_size}; "
             "resuming needs the same global batch (the steps, the schedule and the LR were set for it)"
         )
+
+
+def where(loop: Loop, rows: bool) -> dict[str, Any]:
+    """The loop's own part of the state: where it is in the run (the step, the epoch and
+    the data position, what early stopping and the non-finite steps counted, whether the
+    step's after-work is pending), with the recent metric rows where `rows`."""
+    return {"step": loop.step, "epoch": loop.epoch, "position": loop.position,
+            "skipped_steps": loop.skipped_steps, "nonfinite_skips": loop.nonfinite.skips,
+            "best": loop.stopping.best, "bad_validations": loop.stopping.bad_validations,
+            "after_pending": loop._after_pending, "stop_reason": loop.stop_reason,
+            "global_batch_size": loop.cfg.global_batch_size, "world_size": loop.world_size,
+            "rows": [r for r in loop.window.recent if r["step"] <= loop.step] if rows else []}
+
+
+def go_back(loop: Loop, saved: dict[str, Any]) -> None:
+    """Put the loop where `saved` (where()) says, at the same global sample index whatever
+    the world size now is."""
+    loop.step, loop.skipped_steps = saved["step"], saved["skipped_steps"]
+    loop.nonfinite.skips = saved.get("nonfinite_skips", 0)
+    if "position" in saved:
+        loop.epoch, loop.position = saved["epoch"], saved["position"]
+    else:  # written before the position was saved: always a fixed global batch then
+        loop.epoch, in_epoch = divmod(loop.step, loop._plan(loop.base_world_size).steps_per_epoch)
+        loop.position = in_epoch * loop.cfg.global_batch_size
+    loop.stopping.best, loop.stopping.bad_validations = saved["best"], saved["bad_validations"]
+    loop._after_pending, loop.stop_reason = saved["after_pending"], saved["stop_reason"]
+    loop.saver.saved_step = loop.step
+    loop.window.recent.clear()
+    loop.window.recent.extend(saved.get("rows", ()))
 
 
 def bind_snapshots(snapshots: PeerSnapshots | None, strategy: Strategy, train: TrainState, *,
@@ -119,3 +149,16 @@ def leave(loop: Loop) -> dict[str, torch.Tensor] | None:
     loop.callbacks("on_run_end", loop)
     with loop.train.averaged() as final:
         return loop.strategy.full_weights(final)
+
+
+def save_model(loop: Loop, run: RunConfig, weights: dict[str, Any]) -> str:
+    """Write the final weights to <run.storage>/<run.name>/model.pt, whole or not at all;
+    return where (the driver hands that path to its loggers, never the bytes)."""
+    storage = Storage(run.storage)
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    saver = loop.saver
+    kept = saver.kept if saver.checkpoints is not None else (lambda: "No checkpoint of this run is kept")
+    with_retries(lambda: storage.write_atomic(f"{run.name}/model.pt", buffer.getvalue()), "model.pt",
+                 storage.path(f"{run.name}/model.pt"), kept)
+    return storage.uri_of(f"{run.name}/model.pt")

@@ -53,7 +53,7 @@ from ..contract import Reshard, Snapshot
 from ..data import BatchPlan
 from .input import ValInput, build_train_input
 from .evaluate import validate_here
-from .handover import bind_snapshots, check_resumable, checkpoint_saver, leave, starting_state
+from .handover import bind_snapshots, check_resumable, checkpoint_saver, go_back, leave, starting_state, where
 from .sizing import Sizing, build_scheduler
 from .snapshot import PeerSnapshots
 from .step import accumulate, finite, step_row, update
@@ -319,36 +319,16 @@ class Loop:
         """The training state after `self.step` (on every rank the same, when replicated);
         with the recent metric rows for a worker that takes it in a recovery (window.py),
         not for a checkpoint (`rows` False: a resume's driver has them in metrics.jsonl)."""
-        return {
-            **self.train.state_dict(),
-            "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
-            "loop": {"step": self.step, "epoch": self.epoch, "position": self.position,
-                     "skipped_steps": self.skipped_steps, "nonfinite_skips": self.nonfinite.skips,
-                     "best": self.stopping.best,
-                     "bad_validations": self.stopping.bad_validations, "after_pending": self._after_pending,
-                     "stop_reason": self.stop_reason,
-                     "global_batch_size": self.cfg.global_batch_size, "world_size": self.world_size,
-                     "rows": [r for r in self.window.recent if r["step"] <= self.step] if rows else []},
-        }
+        return {**self.train.state_dict(),
+                "input": self.train_input.state_dict(self.step),  # a stream's position (None: the loop's position)
+                "loop": where(self, rows)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was taken: the next step is state's step + 1, at
         the same global sample index, whatever the world size now is."""
-        saved = state["loop"]
-        check_resumable(saved, self.cfg)
+        check_resumable(state["loop"], self.cfg)
         self.train.load_state_dict(state)
-        self.step, self.skipped_steps = saved["step"], saved["skipped_steps"]
-        self.nonfinite.skips = saved.get("nonfinite_skips", 0)
-        if "position" in saved:
-            self.epoch, self.position = saved["epoch"], saved["position"]
-        else:  # written before the position was saved: always a fixed global batch then
-            self.epoch, in_epoch = divmod(self.step, self._plan(self.base_world_size).steps_per_epoch)
-            self.position = in_epoch * self.cfg.global_batch_size
-        self.stopping.best, self.stopping.bad_validations = saved["best"], saved["bad_validations"]
-        self._after_pending, self.stop_reason = saved["after_pending"], saved["stop_reason"]
-        self.saver.saved_step = self.step
-        self.window.recent.clear()
-        self.window.recent.extend(saved.get("rows", ()))
+        go_back(self, state["loop"])
         self.train_input.load_state_dict(state.get("input"), self.step)
         # The random streams need no restoring: each step seeds them from (seed, rank, step).
 
