@@ -203,6 +203,36 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
     assert getattr(utils, check)() == installed
 
 
+def test_a_kept_rays_start_that_fails_says_why_from_its_nodes_logs(monkeypatch, tmp_path, capsys):
+    """Ray's exception says only "The current node timed out during startup": the keeper
+    writes the raylet's and the GCS's error lines, and the raylet's last, into keeper.log
+    (its stderr), which the run prints as it starts a Ray of its own instead."""
+    from raytrainer.driver import localray
+
+    logs = tmp_path / "ray" / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-11-30 08:00:00,001 I 11 11] (raylet) main.cc:283: Setting cluster ID\n"
+        "[2026-11-30 08:00:15,002 F 11 11] (raylet) node_manager.cc:3192: Check failed: ports_ready Timed out\n"
+        "[2026-11-30 08:00:15,003 I 11 11] (raylet) the last line\n")
+    (logs / "gcs_server.err").write_text("[2026-11-30 08:00:16,004 E 12 12] (gcs_server) gcs.cc:1: a GCS error\n")
+
+    def times_out(*args, **kwargs):
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", times_out)
+    term = signal.getsignal(signal.SIGTERM)  # the keeper's handler, put back below
+    try:
+        with pytest.raises(Exception, match="timed out during startup"):
+            localray.keep(tmp_path, 1.0)
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    err = capsys.readouterr().err
+    assert "raylet.out: [2026-11-30 08:00:15,002 F 11 11]" in err and "Check failed: ports_ready" in err
+    assert "gcs_server.err: [2026-11-30 08:00:16,004 E 12 12]" in err and "Setting cluster ID" not in err
+    assert "its last line: [2026-11-30 08:00:15,003 I 11 11] (raylet) the last line" in err
+
+
 def test_rays_death_notice_of_a_worker_raytrainer_killed_is_not_printed_and_any_other_is(capsys):
     """driver/_internals.mute_death_notice, on a notice as Ray 2.60 words it (the frozen-worker
     test of test_failure_shapes checks Ray's own, from a run)."""

@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -316,7 +317,7 @@ def _start_keeper(folder: Path, minutes: float) -> dict[str, Any] | None:
             break
         time.sleep(0.05)
     proc.kill()
-    tail = (folder / "keeper.log").read_text(errors="replace")[-2000:]
+    tail = (folder / "keeper.log").read_text(errors="replace")[-4000:]
     print(f"raytrainer: warning: could not start the kept local Ray (see {folder / 'keeper.log'}); starting "
           f"one for this run:\n{tail}", file=sys.stderr)
     return None
@@ -421,6 +422,28 @@ def status() -> str:
     return "\n".join(lines) or f"no local Ray kept by raytrainer is running ({KEEP_ENV}={keep_minutes():g} minutes)"
 
 
+def node_errors(temp_dir: Path, most: int = 10) -> str:
+    """Why a Ray node under `temp_dir` did not start, from its newest session's logs: the
+    raylet's and the GCS's error and fatal lines (a failed check among them), and the
+    raylet's last line (where it was, if it was only slow). Ray's own exception says only
+    that the node timed out during startup."""
+    logs = temp_dir / "session_latest" / "logs"
+    found, last = [], ""
+    for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
+        try:
+            lines = (logs / name).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found += [f"{name}: {line}" for line in lines if _GLOG_ERROR.match(line) or "Check failed" in line]
+        if name == "raylet.out" and lines:
+            last = f"raylet.out, its last line: {lines[-1]}"
+    return "\n".join(found[-most:] + [last]).strip() or f"(no raylet or GCS log in {logs})"
+
+
+_GLOG_ERROR = re.compile(r"\[\S+ \S+ [EF] \d+ \d+\]")
+"""Ray's C++ log lines of severity ERROR or FATAL: `[date time,ms E pid tid] ...`."""
+
+
 # ---------------------------------------------------------------------------- the keeper
 
 def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
@@ -436,9 +459,13 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
         return  # another keeper of this folder is starting or up
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start():
-        ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False, logging_level="WARNING",
-                 log_to_driver=False)
+    try:
+        with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start():
+            ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False,
+                     logging_level="WARNING", log_to_driver=False)
+    except Exception:  # into keeper.log, which the run prints: why, where Ray says "timed out"
+        print(node_errors(folder / "ray"), file=sys.stderr, flush=True)
+        raise
     try:
         # Ray turns token authentication on for a local Ray where a token exists (setting
         # RAY_AUTH_MODE here): a run connecting must then present it too.
