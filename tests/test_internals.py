@@ -167,7 +167,16 @@ def test_a_slow_node_start_is_waited_for_while_its_raylet_lives_and_no_longer(mo
             raylet.wait()
 
 
-def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_path):
+@pytest.fixture
+def keeper_sigterm():
+    """This process's SIGTERM handler, put back after a test that runs localray.keep here
+    (the keeper sets its own)."""
+    term = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, term)
+
+
+def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_path, keeper_sigterm):
     """patient_node_start (and with it a minimal dashboard agent) is in force where raytrainer
     starts a node: the kept Ray's keeper, a Ray for one run, and the bench's (and the tests')
     multi-node clusters."""
@@ -191,19 +200,15 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
 
     monkeypatch.setattr(ray, "init", starts_a_node)
     monkeypatch.setattr(Cluster, "add_node", starts_a_node)
-    term = signal.getsignal(signal.SIGTERM)  # the keeper's handler, put back below
-    try:
-        for start in (lambda: localray._start_for_this_run("local", {}), lambda: localray.keep(tmp_path, 1.0),
-                      lambda: local_cluster(str(tmp_path))):
-            with pytest.raises(Starting):
-                start()
-    finally:
-        signal.signal(signal.SIGTERM, term)
+    for start in (lambda: localray._start_for_this_run("local", {}), lambda: localray.keep(tmp_path, 1.0),
+                  lambda: local_cluster(str(tmp_path))):
+        with pytest.raises(Starting):
+            start()
     assert patient == [(True, True)] * 3 and services.get_node is plain
     assert getattr(utils, check)() == installed
 
 
-def test_a_kept_rays_start_that_fails_says_why_from_its_nodes_logs(monkeypatch, tmp_path, capsys):
+def test_a_kept_rays_start_that_fails_says_why_from_its_nodes_logs(monkeypatch, tmp_path, capsys, keeper_sigterm):
     """Ray's exception says only "The current node timed out during startup": the keeper
     writes the raylet's and the GCS's error lines, and the raylet's last, into keeper.log
     (its stderr), which the run prints as it starts a Ray of its own instead."""
@@ -221,12 +226,8 @@ def test_a_kept_rays_start_that_fails_says_why_from_its_nodes_logs(monkeypatch, 
         raise Exception("The current node timed out during startup.")
 
     monkeypatch.setattr(ray, "init", times_out)
-    term = signal.getsignal(signal.SIGTERM)  # the keeper's handler, put back below
-    try:
-        with pytest.raises(Exception, match="timed out during startup"):
-            localray.keep(tmp_path, 1.0)
-    finally:
-        signal.signal(signal.SIGTERM, term)
+    with pytest.raises(Exception, match="timed out during startup"):
+        localray.keep(tmp_path, 1.0)
     err = capsys.readouterr().err
     assert "raylet.out: [2026-11-30 08:00:15,002 F 11 11]" in err and "Check failed: ports_ready" in err
     assert "gcs_server.err: [2026-11-30 08:00:16,004 E 12 12]" in err and "Setting cluster ID" not in err
