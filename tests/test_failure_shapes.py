@@ -292,19 +292,23 @@ def test_a_worker_found_dead_as_the_group_re_forms_is_counted_died_not_hung(ray_
             ray.kill(worker)
 
 
-def test_a_holder_late_to_the_rendezvous_is_asked_to_abort_again_not_killed(ray_local):
+@pytest.mark.parametrize("call", ["regroup", "setup", "reshard"])
+def test_a_holder_late_to_the_rendezvous_is_asked_to_abort_again_not_killed(ray_local, call):
     """A group forms and a peer dies: the workers still forming are asked to abort their
     rendezvous. A survivor holding the training state that was not in it yet (loading the
     state, or its call not started on a loaded machine) found nothing to abort, and waited
     there for the dead peer; after FORM_GRACE_S it was killed, and with it the state: a
     double kill right after a grow once restarted a 3-worker run from step 0 so (CI, load
-    14). Now it is asked again until it leaves, and stays a survivor."""
+    14). Now it is asked again until it leaves, and stays a survivor: one keeping its
+    replicated state (`regroup`), and one going on from its own peer snapshot (sharded
+    state: `setup` with a Snapshot in its memory, while the dead peer loads its copy; or a
+    re-shard from its own and the copies secured in the object store)."""
     import threading
 
     import ray
 
     from raytrainer.config import load_config
-    from raytrainer.contract import Node, ReformFailed, Status
+    from raytrainer.contract import Node, ReformFailed, Reshard, Snapshot, Status
     from raytrainer.driver.group.actors import CONTROL, Roster
     from raytrainer.driver.group.forming import Forming
     from raytrainer.errors import PeerFailure
@@ -318,6 +322,9 @@ def test_a_holder_late_to_the_rendezvous_is_asked_to_abort_again_not_killed(ray_
 
         def rendezvous(self):
             return "127.0.0.1", 0
+
+        def setup(self, rank, world_size, addr, port, use_gpu, resume=None):
+            return self.regroup(rank, world_size, addr, port)
 
         def regroup(self, rank, world_size, addr, port, state=None):
             if rank == 1:
@@ -343,7 +350,14 @@ def test_a_holder_late_to_the_rendezvous_is_asked_to_abort_again_not_killed(ray_
         roster = Roster(actors=workers, nodes=[Node(node_id="n", ip="127.0.0.1")] * 2)
         forming = Forming(config, roster, killed.append)
         with pytest.raises(ReformFailed) as failed:
-            forming.form({0: (False, None), 1: (False, None)}, use_gpu=False)
+            if call == "regroup":
+                forming.form({0: (False, None), 1: (False, None)}, use_gpu=False)
+            elif call == "setup":
+                forming.form({0: (None, Snapshot(5, 0)), 1: (None, Snapshot(5, 1, b"its copy"))}, use_gpu=False)
+            else:
+                secured = ray.put(Snapshot(5, 1, b"its copy"))
+                forming.form({0: (None, Reshard(5, (Snapshot(5, 0), secured))),
+                              1: (None, Reshard(5, (ray.put(Snapshot(5, 0, b"a copy")), secured)))}, use_gpu=False)
         assert sorted((f.rank, f.kind) for f in failed.value.failures) == [(0, "interrupted"), (1, "died")]
         assert failed.value.dead == [1] and killed == [1]  # the holder stays, with its state
     finally:

@@ -24,7 +24,7 @@ import ray
 
 from ...checkpoint import CheckpointRef
 from ...config import Config
-from ...contract import Failure, Holdings, ReformFailed, Snapshot, Status
+from ...contract import Failure, Holdings, ReformFailed, Reshard, Snapshot, Status
 from ...errors import CheckpointCorrupt, NoSurvivors
 from ..policy import choose_state, progressed
 from .actors import Roster, ask_once, control, outcome
@@ -178,7 +178,7 @@ class Forming:
         forming (their rendezvous would wait for the lost peer until the collective timeout)
         and get FORM_GRACE_S to return, each then a survivor holding what it held; those
         still blocked (frozen, or not answering) are killed, and ReformFailed says who. A
-        worker that holds the training state (`regroup`) is killed only once it stops
+        worker that holds training state of its own (_holds) is killed only once it stops
         answering (wait_answering's `holding`): killing it would lose what it holds."""
         actors = self.roster.actors
         world = len(actors)
@@ -195,7 +195,7 @@ class Forming:
                 refs[actors[rank].setup.remote(rank, world, addr, port, use_gpu, state)] = rank
             else:
                 refs[actors[rank].regroup.remote(rank, world, addr, port, state if take else None)] = rank
-        holding = [rank for rank, (take, _) in calls.items() if take is not None]
+        holding = [rank for rank, (take, state) in calls.items() if _holds(take, state)]
         results, failures, pending = self.wait_answering(refs, grace_s=self.FORM_GRACE_S, abort=True,
                                                          holding=holding)
         if not failures:
@@ -319,3 +319,15 @@ class Forming:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=2.0)
         self._aborts = []
+
+
+def _holds(take: bool | None, state: Any) -> bool:
+    """Whether a worker forming with the call (`take`, `state`) of Forming.form holds training
+    state that is lost with its process: a survivor keeping its state (`regroup`), or one
+    going on from its own peer snapshot, in its memory (sharded state: a Snapshot without
+    data, alone or a part of a Reshard), which its successor's copy covers for one loss,
+    not for two."""
+    if take is not None:
+        return True
+    parts = state.parts if isinstance(state, Reshard) else (state,)
+    return any(isinstance(part, Snapshot) and part.data is None for part in parts)
