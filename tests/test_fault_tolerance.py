@@ -440,6 +440,22 @@ def test_a_lost_rank_goes_to_a_ready_spare_else_training_goes_on_without_it():
     assert plan([0, 1, 2], building=[0, 1, 2]).spares == (0, 1, 2)
 
 
+def test_a_spare_starts_cold_only_where_the_run_lasts_for_it_to_be_up_as_long_again(monkeypatch):
+    from raytrainer.driver.group import spares
+
+    pace = spares.Pace()
+    assert pace.ends_in_s(100) is None  # nothing reported yet
+    pace.add([{"event": "a worker's event"}, {"step": 4, "time": 10.0, "loss": 1.0}])
+    assert pace.ends_in_s(100) is None  # one step: no pace yet
+    assert pace.ends_in_s(None) == float("inf")  # no known length: a spare pays
+    pace.add([{"step": 6, "time": 11.0, "loss": 1.0}])
+    assert pace.ends_in_s(100) == 47.0 and pace.ends_in_s(5) == 0.0
+    monkeypatch.setattr(spares, "COLD_START_S", [])
+    assert spares.worth_a_cold_start(0.5)  # no cold start measured yet: as before
+    monkeypatch.setattr(spares, "COLD_START_S", [5.0])
+    assert spares.worth_a_cold_start(10.5) and not spares.worth_a_cold_start(9.5)
+
+
 def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold():
     wait = lambda waited, placed, others: keep_waiting_for_placement(  # noqa: E731
         waited, placed, others, min_workers=2, replace_timeout_s=10, placement_timeout_s=60)
@@ -467,7 +483,7 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
     group.spares = SimpleNamespace(
         take=lambda node_id: calls.append(("take_spare", node_id)) or ("spare", "the spare's node() call",
                                                                          Node("10.0.0.2", node_id="n1", pid=7)),
-        start=lambda roster: calls.append(("start_spares",)))
+        start=lambda roster, ends_in_s: calls.append(("start_spares", ends_in_s)))
     group.forming = SimpleNamespace(
         answers=lambda ranks, method: {r: status for r in ranks},
         take_state=lambda holders, avoid: (0, "state", status), secured=None,
@@ -486,16 +502,20 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
     assert calls == [("kill", 1), ("take_spare", "n1"), ("wait_placed", {1: "the spare's node() call"}),
                      ("form", [0, 1]), ("start_joiners",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"] and group.roster.nodes[1].pid == 7
-    # Launched again: the spares start at the poll that brings the re-formed group's first step.
+    # Launched again: the spares start at the poll that brings the re-formed group's pace
+    # (two steps' rows), with when the run will end at it (spares.py).
     import ray
 
     group.roster.actors = [SimpleNamespace(run=SimpleNamespace(remote=lambda: object())) for _ in range(2)]
     group.launch()
+    group._total_steps = 40
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: ([], list(refs)))
-    drained = iter([([], [{"event": "a worker's event"}]), ([{"step": 6, "loss": 1.0}], [])])
+    drained = iter([([], [{"event": "a worker's event"}]), ([{"step": 6, "time": 100.0, "loss": 1.0}], []),
+                    ([{"step": 7, "time": 100.5, "loss": 1.0}, {"step": 8, "time": 101.0, "loss": 1.0}], [])])
     group._drain = lambda timeout: next(drained)
     calls.clear()
     group.poll(0.0)
+    group.poll(0.0)
     assert calls == []
     group.poll(0.0)
-    assert calls == [("start_spares",)]
+    assert calls == [("start_spares", 16.0)]  # 32 steps left at 0.5 s each

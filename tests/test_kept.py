@@ -56,6 +56,38 @@ def test_a_second_run_trains_in_the_first_runs_processes_and_ends_the_same(ray_l
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
 
 
+def test_a_run_too_short_for_a_spare_starts_none_cold_and_a_kept_process_serves_as_one(ray_local, tmp_path):
+    """Default failure settings (one warm spare). A spare started cold is up a cold start
+    later; a run that will end before one could be up for as long again starts none (spares.py).
+    A kept process is up already: the next, smaller run takes it as its spare."""
+    from ray._private import state
+
+    def made():
+        return sum(a["ActorClassName"] == "Worker" for a in state.actors().values())
+
+    kept.end_all()
+    wait_until(lambda: not worker_pids(), "the kept processes to end", 15)
+    before = made()
+    cfg = config(tmp_path, "three", sleep_s=0.05)
+    cfg["failure"], cfg["trainer"]["max_steps"], cfg["scaling"]["num_workers"] = {}, 20, 3
+    raytrainer.train(cfg, progress=False)
+    assert made() - before == 3  # the workers, started cold; no spare
+    assert len(kept.kept_actors()) == 3
+
+    cfg = config(tmp_path, "two", sleep_s=0.1)
+    cfg["failure"], cfg["trainer"]["max_steps"] = {}, 60
+    done = []
+    thread = threading.Thread(target=lambda: done.append(raytrainer.train(cfg, progress=False)))
+    thread.start()
+    try:  # two kept processes serve as workers, the third as the spare once training runs
+        wait_until(lambda: not kept.kept_actors(), "the third kept process taken as the spare", 60,
+                   alive=lambda: not done)
+    finally:
+        thread.join(120)
+    assert done and made() - before == 3 and len(kept.kept_actors()) == 3
+    assert_no_leaks()
+
+
 @pytest.mark.parametrize("leave", ["thread", "env"])
 def test_a_process_its_run_left_something_in_is_not_kept(ray_local, tmp_path, leave):
     kept.end_all()

@@ -18,6 +18,7 @@ shutdown), the control calls, and the re-forms.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from .drains import Moves, draining_nodes
 from .copies import KeptCopies
 from .forming import Forming
 from .slots import Slots
-from .spares import WarmSpares
+from .spares import COLD_START_S, Pace, WarmSpares
 
 __all__ = ["RayWorkerGroup", "worker_bundle"]
 
@@ -57,7 +58,8 @@ class RayWorkerGroup:
         self._pending: list[Any] = []
         self._finished: dict[int, RunEnd] = {}
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
-        self._stepped = False  # whether the group launched last has reported a step (spares.py)
+        self.pace = Pace()  # the steps of the group launched last: when spares start (spares.py)
+        self._total_steps: int | None = None
         # Replacements started by a re-form that failed before they were up (_starting_ranks).
         self._starting: list[Any] = []
 
@@ -75,9 +77,12 @@ class RayWorkerGroup:
         """Reserve min_workers slots at once (and ask for the rest), start a worker in each
         placed slot; return the workers' nodes."""
         self.roster.slots = self.slots.reserve()
+        t0, kept_before = time.monotonic(), len(kept.kept_actors())
         self.roster.actors = [start_worker(self.config, self.bundle, slot, joining=False)
                               for slot in self.roster.slots]
         self.roster.nodes = gather([a.node.remote() for a in self.roster.actors])
+        if len(kept.kept_actors()) > kept_before - len(self.roster.actors):  # one started cold
+            COLD_START_S[:] = [time.monotonic() - t0]
         return self.roster.nodes  # the warm spares start once training runs (poll)
 
     def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None:
@@ -100,6 +105,7 @@ class RayWorkerGroup:
         results = self.forming.form({rank: (None, state) for rank in range(len(self.roster.actors))}, self.use_gpu)
         self.copies.after_form(self.roster, None)
         total_steps, steps_per_epoch, replicated = results[0]
+        self._total_steps = total_steps
         return Formed(list(self.roster.nodes), total_steps, steps_per_epoch, replicated)
 
     def launch(self) -> None:
@@ -107,7 +113,7 @@ class RayWorkerGroup:
         self._pending = list(self._runs)
         self._finished = {}
         self._drain_ref = None
-        self._stepped = False
+        self.pace = Pace()
 
     def poll(self, timeout: float) -> Poll:
         """Wait up to `timeout` for any worker's run() to end; collect new metric rows, and
@@ -117,9 +123,10 @@ class RayWorkerGroup:
             more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             ready += more
         poll = Poll(*self._drain(timeout=1.0))
-        self._stepped |= any("step" in row for row in poll.rows)
-        if self._stepped and not self.slots.starting():  # once training runs (spares.py)
-            self.spares.start(self.roster)
+        self.pace.add(poll.rows)
+        ends_in_s = self.pace.ends_in_s(self._total_steps)
+        if ends_in_s is not None and not self.slots.starting():  # once training runs (spares.py)
+            self.spares.start(self.roster, ends_in_s)
         for ref in ready:
             rank = self._runs.index(ref)
             result = actors.outcome(self.roster, rank, ref)

@@ -73,13 +73,14 @@ def start_worker(config: Config, bundle: dict[str, float], slot: Slot, joining: 
     ).remote(*args, **kwargs)  # the payload: its object-store ref
 
 
-def start_spare(config: Config, node_id: str) -> Any:
+def start_spare(config: Config, node_id: str, cold: bool = True) -> Any | None:
     """A spare on `node_id`: it takes no resources, and waits, torch imported, until it
     replaces a lost worker of that node in its slot. Pinned to the node, not to a slot's
-    placement group: a group removed (a lost or drained node's) would take it along."""
+    placement group: a group removed (a lost or drained node's) would take it along.
+    A kept process serves where there is one; else a new one starts if `cold`, or None."""
     args, kwargs = (config.to_dict(), config.task.payload), {"spare": True, "cwd": config.run.cwd}
     return ((kept.take(node_id, *args, **kwargs) if keepable(config, {}) else None)
-            or _pinned(node_id).remote(*args, **kwargs))
+            or (_pinned(node_id).remote(*args, **kwargs) if cold else None))
 
 
 def keepable(config: Config, bundle: dict[str, float]) -> bool:

@@ -19,10 +19,19 @@ says whether it has built the task's training state ahead (worker/warm.py): one 
 at nice 19 leaves the rest of its build in the recovery (1.5-2.1 s at 2 GB of state on the
 2-core VM, where the spare was always still building at the kill), so where the survivors can
 go on without the lost rank (policy.replacing) only a built one is taken.
+
+A spare is up only a cold start after it is started (5 CPU-s on the 2-core VM, nearly all of it
+importing torch), and it protects the run only from then on: where the run will have ended
+before a spare could be up for as long again (its remaining steps at the pace rank 0 reports,
+against the last cold start of this driver's workers), none is started cold. The process would
+only take CPU from training, and a recovery meanwhile waits for a cold start either way. A kept
+process (kept.py) is up already and still serves. Until the pace is known (two step rows since
+the group launched) none starts; a run of no known length (no total steps) gets its spares.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +55,43 @@ class Spare:
     """Whether it said, at its last ask, that it has built the task's training state ahead."""
 
 
+COLD_START_S: list[float] = []
+"""The last cold start of this driver's workers, from their start to their node() answer
+(RayWorkerGroup.start measures it where a kept process did not serve them all)."""
+
+
+class Pace:
+    """When the run will end, from the step rows rank 0 reported since the group launched."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, float] | None = None
+        self.last: tuple[int, float] | None = None
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            if "step" in row and "time" in row:
+                self.first = self.first or (row["step"], row["time"])
+                self.last = (row["step"], row["time"])
+
+    def ends_in_s(self, total_steps: int | None) -> float | None:
+        """Seconds until the last step; inf for a run of no known length; None while no
+        step is reported, or only one (no pace yet)."""
+        if self.first is None or self.last is None:
+            return None
+        if total_steps is None:
+            return float("inf")
+        (step0, t0), (step, t) = self.first, self.last
+        if step <= step0:
+            return None
+        return max(total_steps - step, 0) * (t - t0) / (step - step0)
+
+
+def worth_a_cold_start(ends_in_s: float) -> bool:
+    """Whether a spare started cold now would be up for as long as its start took before the
+    run ends (no cold start measured yet: yes)."""
+    return not COLD_START_S or ends_in_s > 2 * COLD_START_S[-1]
+
+
 class WarmSpares:
     PING_S = 0.5
     """How long a spare that was up gets to answer again before a recovery counts on it."""
@@ -54,16 +100,20 @@ class WarmSpares:
         self.config, self.count = config, count
         self.spares: list[Spare] = []
 
-    def start(self, roster: Roster) -> None:
+    def start(self, roster: Roster, ends_in_s: float) -> None:
         """Start spares up to the count, each on the node whose workers have the fewest
-        spares each (then the one with the most workers)."""
+        spares each (then the one with the most workers); where the run ends in `ends_in_s`,
+        too soon for a cold start to pay, only kept processes serve."""
         if len(self.spares) >= self.count or not roster.nodes:
             return
+        cold = worth_a_cold_start(ends_in_s)
         workers = Counter(n.node_id for n in roster.nodes)
         on = Counter(s.node for s in self.spares)
         while len(self.spares) < self.count:
             node = min(workers, key=lambda n: (on[n] / workers[n], -workers[n]))
-            actor = start_spare(self.config, node)
+            actor = start_spare(self.config, node, cold)
+            if actor is None:
+                return
             self.spares.append(Spare(actor, actor.node.remote(), node))
             on[node] += 1
 
