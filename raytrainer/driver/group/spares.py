@@ -31,7 +31,6 @@ the group launched) none starts; a run of no known length (no total steps) gets 
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -74,8 +73,9 @@ class Pace:
                 self.last = (row["step"], row["time"])
 
     def ends_in_s(self, total_steps: int | None) -> float | None:
-        """Seconds until the last step; inf for a run of no known length; None while no
-        step is reported, or only one (no pace yet)."""
+        """Seconds until the last step at the pace so far; inf for a run of no known length
+        (`total_steps` None); None while no step is reported (one, in a run of known length:
+        no pace yet)."""
         if self.first is None or self.last is None:
             return None
         if total_steps is None:
