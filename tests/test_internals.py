@@ -81,6 +81,8 @@ NAMES = [
      "a node's start given longer than Ray's fixed 30 s (driver/_internals.patient_node_start)"),
     (RAY, "ray._private.utils", driver_internals.dashboard_check()[0],
      "a minimal dashboard agent in the Rays raytrainer starts (driver/_internals.minimal_dashboard_agent)"),
+    (RAY, "ray._raylet", "persist_port",
+     "writing a minimal agent's ports before its raylet waits for them (driver/_internals.agent_ports_given)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
     (RAY, "ray._private.worker", "print_to_stdstream",
@@ -115,6 +117,22 @@ def test_a_node_ray_starts_still_runs_its_dashboard_agent_minimal_where_ray_defa
     with driver_internals.minimal_dashboard_agent():
         assert type(getattr(utils, name)()) is type(answer()) and getattr(utils, name)() != installed
     assert getattr(utils, name)() == installed
+
+
+def test_a_raylet_is_still_started_with_its_agents_ports_where_raytrainer_gives_them():
+    """driver/_internals.agent_ports_given reads these arguments of services.start_raylet and
+    gives the runtime env agent's port; the raylet is told that port, the agent binds it."""
+    from ray._private import services
+
+    source = inspect.getsource(services.start_raylet)
+    named = set(inspect.signature(services.start_raylet).parameters)
+    wanted = {"session_dir", "node_id", "node_ip_address", "metrics_agent_port", "metrics_export_port",
+              "runtime_env_agent_port"}
+    assert wanted <= named and "--runtime_env_agent_port={runtime_env_agent_port}" in source \
+        and "--runtime-env-agent-port={runtime_env_agent_port}" in source, (
+        f"{RAY}: services.start_raylet no longer takes {sorted(wanted - named)} or no longer passes the runtime "
+        "env agent's port to the raylet and the agent, which raytrainer gives so that the raylet does not abort "
+        "after 15 s waiting for its agents on a loaded machine (driver/_internals.agent_ports_given)")
 
 
 def test_a_node_ray_starts_still_waits_for_its_raylet_through_services_get_node():
@@ -186,7 +204,7 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
     from raytrainer.bench.rt import local_cluster
     from raytrainer.driver import localray
 
-    plain = services.get_node
+    plain, start_raylet = services.get_node, services.start_raylet
     check = driver_internals.dashboard_check()[0]
     installed = getattr(utils, check)()
     patient = []
@@ -195,7 +213,8 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
         pass
 
     def starts_a_node(*args, **kwargs):
-        patient.append((services.get_node is not plain, getattr(utils, check)() != installed))
+        patient.append((services.get_node is not plain, getattr(utils, check)() != installed,
+                        services.start_raylet is not start_raylet))
         raise Starting  # no Ray started: what is asked is only under what it would start
 
     monkeypatch.setattr(ray, "init", starts_a_node)
@@ -204,7 +223,8 @@ def test_every_ray_raytrainer_starts_is_patient_with_its_node(monkeypatch, tmp_p
                   lambda: local_cluster(str(tmp_path))):
         with pytest.raises(Starting):
             start()
-    assert patient == [(True, True)] * 3 and services.get_node is plain
+    assert patient == [(True, True, True)] * 3
+    assert services.get_node is plain and services.start_raylet is start_raylet
     assert getattr(utils, check)() == installed
 
 

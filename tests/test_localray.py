@@ -113,6 +113,49 @@ def test_the_kept_ray_stops_by_itself_once_idle_and_a_run_that_finds_it_in_use_s
     assert not left, f"left running: {left}"
 
 
+SLOW_AGENTS = """
+import os, sys, time
+if sys.argv and sys.argv[0].endswith(("dashboard/agent.py", "runtime_env/agent/main.py")):
+    time.sleep(float(os.environ["RAYTRAINER_TEST_AGENT_DELAY_S"]))
+"""
+"""A sitecustomize: Ray's two agents start that much later, as on a loaded machine."""
+
+RUNTIME_ENV_JOB = """
+import os, ray
+from raytrainer.driver import localray
+localray.connect()
+@ray.remote
+def mark():
+    return os.environ["RAYTRAINER_TEST_MARK"]
+job = mark.options(runtime_env={"env_vars": {"RAYTRAINER_TEST_MARK": "yes"}})
+print("served:", ray.get(job.remote(), timeout=120))
+"""
+
+
+def test_the_kept_ray_starts_though_its_agents_start_later_than_its_raylet_waits_for_them(tmp_path):
+    """Ray's raylet waits 15 s for its agents' ports, then aborts (driver/_internals.
+    agent_ports_given): on a loaded machine the kept Ray's start failed so. Here both agents
+    start 16 s late: the kept Ray starts, and a job's runtime env, which the runtime env
+    agent serves, works once that agent is up."""
+    folder = short_temp_dir()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_AGENTS)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder,
+               PYTHONPATH=os.pathsep.join([str(site), ROOT]), RAYTRAINER_TEST_AGENT_DELAY_S="16")
+    try:
+        up = run_cli(["up"], env)
+        assert up.returncode == 0, up.stderr[-3000:]
+        job = subprocess.run([sys.executable, "-c", RUNTIME_ENV_JOB], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert job.returncode == 0 and "served: yes" in job.stdout, job.stderr[-3000:]
+    finally:
+        run_cli(["down", "--force"], env)
+        left = wait_gone(folder)
+    assert not left, f"left running: {left}"
+
+
 # ---------------------------------------------------------------------------- as a user runs it
 #
 # The kept Ray where a user's is: under the temp dir, one per installation (here TMPDIR is

@@ -108,16 +108,71 @@ def minimal_dashboard_agent() -> Iterator[None]:
     - No fixed port: the full agent's HTTP server listens on 52365 (RayParams' default,
       which ray.init does not let a caller set), the port a user's `ray start --head` beside
       the kept Ray takes by default; with it taken, every `ray job submit` to that head
-      failed ("No available agent to submit job")."""
-    from ray._private import utils
+      failed ("No available agent to submit job").
+    - Its agents' ports told to the raylet as it starts (agent_ports_given), so that it waits
+      for neither agent, however slow the machine."""
+    from ray._private import services, utils
 
     name, answer = dashboard_check()
-    full = getattr(utils, name)
+    full, start_raylet = getattr(utils, name), services.start_raylet
     setattr(utils, name, answer)
+    services.start_raylet = agent_ports_given(start_raylet)
     try:
         yield
     finally:
         setattr(utils, name, full)
+        services.start_raylet = start_raylet
+
+
+def agent_ports_given(start_raylet: Callable[..., Any]) -> Callable[..., Any]:
+    """services.start_raylet, starting a raylet that need not wait for its agents' ports.
+
+    The raylet, as it starts, waits up to 15 s for each port its agents write into the
+    session directory, then aborts (node_manager.cc, WaitForDashboardAgentPorts and
+    WaitForRuntimeEnvAgentPort: hard-coded, RAY_agent_register_timeout_ms does not move
+    them), and the node's start fails. A minimal dashboard agent, two Python processes
+    importing Ray on a loaded machine, missed that: 16 Rays started at once beside 6 busy
+    loops on the 2-core VM (2026-11-30), all 16 raylets aborted so; with this, all 16
+    started. In the README's test command under tests/slowday.sh, the kept local Ray's
+    start failed so twice in one run.
+
+    - The minimal agent's three ports are written before the raylet starts, as the agent
+      writes them once up: -1, "not served" (dashboard/agent.py). The raylet waits for a
+      port's file only where it was given none (0), and for the HTTP port always.
+    - The runtime env agent's port is chosen here (a free one on the node's address) and
+      given, as a `ray start --runtime-env-agent-port` would be; the agent binds it. The
+      raylet then waits for nothing: it asks the agent only when a worker needs a runtime
+      env, and waits up to agent_register_timeout_ms for it then.
+
+    Without persist_port (Ray before it persisted the agents' ports) it is start_raylet."""
+    import inspect
+    import socket
+
+    try:
+        from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME,
+                                 METRICS_EXPORT_PORT_NAME, persist_port)
+    except ImportError:
+        return start_raylet
+    signature = inspect.signature(start_raylet)
+
+    @functools.wraps(start_raylet)
+    def starting(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        given = call.arguments
+        for port_name, argument in ((METRICS_AGENT_PORT_NAME, "metrics_agent_port"),
+                                    (METRICS_EXPORT_PORT_NAME, "metrics_export_port"),
+                                    (DASHBOARD_AGENT_LISTEN_PORT_NAME, None)):  # not given to the raylet
+            if argument is None or not given.get(argument):
+                persist_port(given["session_dir"], given["node_id"], port_name, -1)
+        if not given.get("runtime_env_agent_port"):
+            family, kind, proto, _, address = socket.getaddrinfo(given["node_ip_address"], 0,
+                                                                  type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind, proto) as free:
+                free.bind(address)
+                given["runtime_env_agent_port"] = free.getsockname()[1]
+        return start_raylet(*call.args, **call.kwargs)
+
+    return starting
 
 
 def dashboard_check() -> tuple[str, Callable[[], Any]]:
