@@ -22,6 +22,7 @@ from raytrainer.worker import _internals
 from raytrainer.worker.actor import _peer_failure
 
 from .ray_procs import free_ports
+from .waits import wait_until
 
 TORCH, RAY = f"torch {torch.__version__}", f"Ray {ray.__version__}"
 
@@ -133,6 +134,30 @@ def test_a_raylet_is_still_started_with_its_agents_ports_where_raytrainer_gives_
         f"{RAY}: services.start_raylet no longer takes {sorted(wanted - named)} or no longer passes the runtime "
         "env agent's port to the raylet and the agent, which raytrainer gives so that the raylet does not abort "
         "after 15 s waiting for its agents on a loaded machine (driver/_internals.agent_ports_given)")
+
+
+def test_a_port_given_to_an_agent_stays_held_until_the_agent_has_bound_and_written_it(tmp_path):
+    """driver/_internals.held_until_served: the runtime env agent's port, chosen before its
+    node starts, is held until the agent has written it, and the agent's own bind and listen
+    (runtime_env/agent/main.py: SO_REUSEADDR, then listen) succeed meanwhile."""
+    import socket
+
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    written = tmp_path / "runtime_env_agent_port"
+    driver_internals.held_until_served(held, str(written))
+    time.sleep(0.5)
+    assert held.fileno() != -1  # nothing written yet: still held
+    with socket.socket() as agent:
+        agent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        agent.bind(("127.0.0.1", port))
+        agent.listen()
+        written.write_text(str(port))
+        wait_until(lambda: held.fileno() == -1, "the held port released once its agent wrote it", 30)
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass  # the agent serves it
 
 
 def test_a_node_ray_starts_still_waits_for_its_raylet_through_services_get_node():

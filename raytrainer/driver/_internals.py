@@ -142,7 +142,11 @@ def agent_ports_given(start_raylet: Callable[..., Any]) -> Callable[..., Any]:
     - The runtime env agent's port is chosen here (a free one on the node's address) and
       given, as a `ray start --runtime-env-agent-port` would be; the agent binds it. The
       raylet then waits for nothing: it asks the agent only when a worker needs a runtime
-      env, and waits up to agent_register_timeout_ms for it then.
+      env, and waits up to agent_register_timeout_ms for it then. The port stays bound here
+      (SO_REUSEADDR, not listening: the agent's bind and listen still succeed) until the
+      agent has written it (held_until_served): released at once, it could be taken in the
+      seconds before the agent binds it, by another bind to port 0 or by a connection's
+      own port, both drawn from the same range.
 
     Without persist_port (Ray before it persisted the agents' ports) it is start_raylet."""
     import inspect
@@ -150,7 +154,8 @@ def agent_ports_given(start_raylet: Callable[..., Any]) -> Callable[..., Any]:
 
     try:
         from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME,
-                                 METRICS_EXPORT_PORT_NAME, persist_port)
+                                 METRICS_EXPORT_PORT_NAME, RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename,
+                                 persist_port)
     except ImportError:
         return start_raylet
     signature = inspect.signature(start_raylet)
@@ -167,12 +172,30 @@ def agent_ports_given(start_raylet: Callable[..., Any]) -> Callable[..., Any]:
         if not given.get("runtime_env_agent_port"):
             family, kind, proto, _, address = socket.getaddrinfo(given["node_ip_address"], 0,
                                                                   type=socket.SOCK_STREAM)[0]
-            with socket.socket(family, kind, proto) as free:
-                free.bind(address)
-                given["runtime_env_agent_port"] = free.getsockname()[1]
+            held = socket.socket(family, kind, proto)
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind(address)
+            given["runtime_env_agent_port"] = held.getsockname()[1]
+            written = os.path.join(given["session_dir"],
+                                   get_port_filename(given["node_id"], RUNTIME_ENV_AGENT_PORT_NAME))
+            held_until_served(held, written)
         return start_raylet(*call.args, **call.kwargs)
 
     return starting
+
+
+def held_until_served(held: Any, written: str, most_s: float = 600.0) -> None:
+    """Close the socket `held` once the file `written` exists (its agent has bound the port),
+    or after `most_s` seconds (its node never came up), from a daemon thread."""
+    import threading
+
+    def wait() -> None:
+        deadline = time.monotonic() + most_s
+        while not os.path.exists(written) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held.close()
+
+    threading.Thread(target=wait, name="raytrainer-agent-port", daemon=True).start()
 
 
 def dashboard_check() -> tuple[str, Callable[[], Any]]:
