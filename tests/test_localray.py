@@ -45,14 +45,20 @@ def run_cli(args, env):
                           text=True, timeout=300)
 
 
+def kept_env(folder: str, **extra: str) -> dict[str, str]:
+    """This process's environment as a user's whose runs keep a local Ray in `folder`.
+    RAY_TMPDIR: where Ray looks for a Ray that `ray start` left (which a run joins first):
+    another test's or process's on this machine is not to be found."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder, **extra)
+    return env
+
+
 def test_a_later_run_joins_the_ray_the_first_kept_which_only_raytrainer_finds_and_down_stops(tmp_path):
     folder = short_temp_dir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    # RAY_TMPDIR: where Ray looks for a Ray that `ray start` left (which a run joins first):
-    # another test's or process's on this machine is not to be found. A token, as Ray leaves
-    # in ~/.ray after its first local start: the kept Ray runs with token authentication.
-    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder,
-               RAY_AUTH_TOKEN=secrets.token_hex(32))
+    # A token, as Ray leaves in ~/.ray after its first local start: the kept Ray runs with
+    # token authentication.
+    env = kept_env(folder, RAY_AUTH_TOKEN=secrets.token_hex(32))
     config = tmp_path / "env.yaml"
     config.write_text(yaml.safe_dump({
         "task": {"target": "tests.test_localray:EnvTask", "args": {"path": str(tmp_path / "mark")}},
@@ -141,9 +147,7 @@ def test_the_kept_ray_starts_though_its_agents_start_later_than_its_raylet_waits
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_AGENTS)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env.update(RAYTRAINER_RAY_DIR=folder, RAYTRAINER_KEEP_RAY="5", RAY_TMPDIR=folder,
-               PYTHONPATH=os.pathsep.join([str(site), ROOT]), RAYTRAINER_TEST_AGENT_DELAY_S="16")
+    env = kept_env(folder, PYTHONPATH=os.pathsep.join([str(site), ROOT]), RAYTRAINER_TEST_AGENT_DELAY_S="16")
     try:
         up = run_cli(["up"], env)
         assert up.returncode == 0, up.stderr[-3000:]
