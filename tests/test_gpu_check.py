@@ -87,8 +87,9 @@ def test_the_two_rank_nccl_script_gets_its_ranks_started(tmp_path):
     # Its first version ran with `python -c`: mp.spawn's children could not find `run` in that
     # __main__, and the check reported an AttributeError as NCCL's answer (seen on an H100).
     # Without CUDA both ranks start and fail at CUDA, which is as far as this machine goes.
-    script = tmp_path / "two_nccl.py"
-    script.write_text(gpu._TWO_NCCL)
-    out = subprocess.run([sys.executable, str(script), "29517"], capture_output=True, text=True, timeout=120)
+    out = gpu.run_two_nccl(str(tmp_path), 29517, timeout_s=120)
     assert out.returncode != 0 and "Can't get attribute" not in out.stderr, out.stderr[-2000:]
     assert "CUDA" in out.stderr or "cuda" in out.stderr, out.stderr[-2000:]
+    # The error file mp.spawn writes for each rank that raised is in the check's folder
+    # (removed with it), not left in /tmp.
+    assert len(list(tmp_path.glob("pytorch-errorfile-*.pickle"))) == 2

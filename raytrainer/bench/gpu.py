@@ -307,6 +307,16 @@ if __name__ == "__main__":  # spawn's children import this file
 '''
 
 
+def run_two_nccl(tmp: str, port: int, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    """_TWO_NCCL run from a file in `tmp`, its temporary files there too: mp.spawn leaves a
+    pytorch-errorfile-*.pickle in the temp dir for each rank that raises, which the refusal
+    this check expects on a GPU makes every time."""
+    script = Path(tmp) / "two_nccl.py"
+    script.write_text(_TWO_NCCL)
+    return subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True,
+                          timeout=timeout_s, env=dict(os.environ, TMPDIR=str(tmp)))
+
+
 def check_two_ranks_one_gpu(tmp: str) -> Check:
     result = _train("gloo2", tmp, scaling={"num_workers": 2, "backend": "gloo",
                                             "resources_per_worker": {"CPU": 1, "GPU": 0.5}})
@@ -315,11 +325,8 @@ def check_two_ranks_one_gpu(tmp: str) -> Check:
     # What NCCL does with two ranks on one device, in plain torch (a subprocess: a refusal
     # may hang or abort the process). A file, not `-c`: mp.spawn's children import `run`
     # from the parent's __main__, which `-c` does not have.
-    script = Path(tmp) / "two_nccl.py"
-    script.write_text(_TWO_NCCL)
     try:
-        out = subprocess.run([sys.executable, str(script), str(29_500 + os.getpid() % 1000)],
-                             capture_output=True, text=True, timeout=60)
+        out = run_two_nccl(tmp, 29_500 + os.getpid() % 1000)
         text = (out.stdout + out.stderr).strip()
         nccl = "trains (all_reduce ok)" if out.returncode == 0 else \
             "refused: " + next((ln.strip() for ln in text.splitlines() if "Duplicate GPU" in ln or "Error" in ln),
