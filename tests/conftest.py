@@ -140,7 +140,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests without Ray first, then the modules on the shared local Ray, then those on the
     shared cluster, then those that start Ray in subprocesses; a module's tests stay
     together and in order. A test that needs a Ray, a cluster or a subprocess that trains is
-    marked slow: `-m "not slow"` is the quick lane."""
+    marked slow: `-m "not slow"` is the quick lane (README)."""
     by_module: dict = {}
     for item in items:
         by_module[item.path] = max(by_module.get(item.path, 0), _order(item))

@@ -318,6 +318,7 @@ def test_s3_round_trip(s3_server):
     assert loaded_step(ckpts.load_latest()) == (3, 3)
 
 
+@pytest.mark.slow  # a CLI run that starts a Ray of its own
 def test_a_run_on_s3_storage(s3_server, tmp_path):
     """The whole path: workers write checkpoints to S3, the driver uploads its files."""
     proc = subprocess.run(

@@ -46,6 +46,7 @@ def test_charlm_beats_the_unigram_baseline(ray_local, tmp_path):
     assert_no_leaks()
 
 
+@pytest.mark.slow  # a CLI run that starts a Ray of its own
 def test_cli_trains_and_reports(tmp_path):
     # Where Ray looks for a `ray start` head to join: this test's own folder, holding the
     # address file of a head that is gone (stopped without `ray stop`). A plain ray.init()
