@@ -3,6 +3,7 @@ and nothing the bench started is left running."""
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -69,10 +70,12 @@ def assert_nothing_left(tag, timeout_s=20.0):
 def test_smoke_bench_reports_every_figure(tmp_path, tagged):
     out = tmp_path / "bench.json"
     smoke = bench.BenchSpec(**bench.SMOKE)
+    clusters_before = set(glob.glob("/tmp/rtb-*"))  # the multi-node runs' Ray folders (bench/rt.py)
     bench.run_bench(smoke, out=out, keep_in=tmp_path / "work")
     report = json.loads(out.read_text())
     printed = bench.format_table(report)
     assert_nothing_left(tagged)
+    assert set(glob.glob("/tmp/rtb-*")) <= clusters_before, "a multi-node run left its Ray's folder"
 
     assert report["settings"]["steps"] == smoke.steps and report["settings"]["repetitions"] == 1
     # One run per contender, each with one timestamp per step: every step's metrics arrived.
