@@ -91,5 +91,6 @@ def test_the_two_rank_nccl_script_gets_its_ranks_started(tmp_path):
     assert out.returncode != 0 and "Can't get attribute" not in out.stderr, out.stderr[-2000:]
     assert "CUDA" in out.stderr or "cuda" in out.stderr, out.stderr[-2000:]
     # The error file mp.spawn writes for each rank that raised is in the check's folder
-    # (removed with it), not left in /tmp.
-    assert len(list(tmp_path.glob("pytorch-errorfile-*.pickle"))) == 2
+    # (removed with it), not left in /tmp. One or two: a rank may be stopped by mp.spawn,
+    # once the other failed, before it fails itself.
+    assert list(tmp_path.glob("pytorch-errorfile-*.pickle"))
