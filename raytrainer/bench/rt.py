@@ -216,9 +216,13 @@ def local_cluster(temp_dir: str | None = None) -> Any:
 
     os.makedirs(os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray"),
                 exist_ok=True)
-    temp_dir = temp_dir or made
-    return PatientCluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                                "temp_dir": temp_dir})
+    try:
+        return PatientCluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                    "temp_dir": temp_dir or made})
+    except BaseException:  # its head did not start: no cluster for a caller to shut down
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
 
 
 def grow_raytrainer(spec: dict[str, Any], work: Path) -> dict[str, Any]:
