@@ -2,6 +2,14 @@
 BatchPlan names, streams are sharded and resume where they stopped, and bad input fails
 with a clear error instead of hanging."""
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -135,6 +143,61 @@ def test_a_stream_that_runs_dry_is_a_clear_error(num_workers):
 def test_a_stream_has_no_epochs():
     with pytest.raises(ConfigError, match="set trainer.max_epochs: null and trainer.max_steps"):
         loop(StreamTask(), max_epochs=1)
+
+
+@pytest.fixture
+def short_tmp():
+    """A temp dir with a path as short as /tmp's own (a socket's path is at most 107 bytes:
+    one under pytest's tmp_path would be too long to be made there)."""
+    path = tempfile.mkdtemp(prefix="rti-", dir="/tmp")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_worker_killed_with_loader_processes_leaves_its_sockets_folder_to_the_next(short_tmp, monkeypatch):
+    """A process whose loader processes' fork server runs, SIGKILLed (a worker at a run's end,
+    or in a fault): multiprocessing's own folder for its sockets (pymp-*) would be left in the
+    temp dir, one for each such worker and run. It is the worker's scratch folder instead,
+    which the next one on the node removes."""
+    from raytrainer.worker import scratch
+
+    tmp_path = short_tmp
+
+    script = ("import os, signal, torch\n"
+              "from multiprocessing import util\n"
+              "from raytrainer.config import DataConfig, TrainerConfig\n"
+              "from raytrainer.worker.loop import Loop, LoopSettings\n"
+              "from tests.tasks import RegressionTask\n"
+              "cfg = LoopSettings(trainer=TrainerConfig(max_steps=3, global_batch_size=16, micro_batch_size=8),\n"
+              "                   data=DataConfig(num_workers=2))\n"
+              "Loop(RegressionTask(), cfg, rank=0, world_size=1, device=torch.device('cpu')).fit()\n"
+              "print(os.getpid(), util.get_temp_dir(), flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pid, folder = done.stdout.split()
+    root = tmp_path / scratch.ROOT
+    assert Path(folder).parent == root and Path(folder).name.startswith(f"{pid}@"), folder
+    assert Path(folder).is_dir() and not list(tmp_path.glob("pymp-*"))  # the killed process could not remove it
+    monkeypatch.setattr(scratch.tempfile, "tempdir", str(tmp_path))
+    made = scratch.make()  # the next worker's
+    assert sorted(root.iterdir()) == [made]
+
+
+def test_sockets_too_long_for_a_scratch_folder_stay_in_multiprocessings_own(tmp_path, monkeypatch):
+    from multiprocessing import process
+
+    from raytrainer.worker import _internals
+
+    monkeypatch.setattr(process.current_process(), "_config", {})  # a process that has made no socket yet
+    long = tmp_path / ("x" * 100)
+    assert _internals.use_multiprocessing_folder(lambda: long.mkdir() or long) is None
+    assert not long.exists() and "tempdir" not in process.current_process()._config
+    short = tmp_path / "s"
+    assert _internals.use_multiprocessing_folder(lambda: short.mkdir() or short) == short
+    assert process.current_process()._config["tempdir"] == str(short)
+    assert _internals.use_multiprocessing_folder(lambda: pytest.fail("made again")) is None  # once a process
 
 
 # ---------------------------------------------------------------------- bad input

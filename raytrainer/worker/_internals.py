@@ -17,6 +17,8 @@ store) are imported inside the functions that use them.
 from __future__ import annotations
 
 import functools
+import shutil
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -232,6 +234,41 @@ def shutdown_loader_iterator(it: Any) -> None:
     stop = getattr(it, "_shutdown_workers", None)
     if stop is not None:
         stop()
+
+
+# A socket multiprocessing makes in its folder: "/listener-" and 8 random characters; Linux
+# takes a socket's path of at most 107 bytes (sun_path, less its terminating NUL).
+_LISTENER_NAME = len("/listener-12345678")
+_SOCKET_PATH_MAX = 107
+
+
+def use_multiprocessing_folder(make: Callable[[], Path]) -> Path | None:
+    """Have multiprocessing make this process's sockets (its fork server's listener, its
+    children's) in the folder `make` makes, instead of a `pymp-*` folder of its own; that
+    folder, or None where this process already has one, or where a socket's path in it would
+    be too long (multiprocessing's own folder is then used).
+
+    multiprocessing.util.get_temp_dir makes a `pymp-*` folder in the temp dir the first time
+    a process needs an address, and removes it at a normal exit only: a worker killed from
+    outside (ray.kill at a run's end, any fault) left one in the node's temp dir, for each
+    worker and run with loader processes or a checkpoint writer process. get_temp_dir finds
+    it in current_process()._config["tempdir"], which a child process copies from its parent
+    (private; checked on CPython 3.11). Without it: those folders pile up in the temp dir.
+    tests/test_input.py checks that a worker killed with loader processes leaves none."""
+    from multiprocessing import process, util
+
+    config = process.current_process()._config
+    if config.get("tempdir") is not None:
+        return None
+    folder = make()
+    if len(str(folder)) + _LISTENER_NAME > _SOCKET_PATH_MAX:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    config["tempdir"] = str(folder)
+    # Removed at a normal exit, as multiprocessing removes its own (the same priority: after
+    # every other finalizer that may still use a socket in it).
+    util.Finalize(None, shutil.rmtree, args=(str(folder), True), exitpriority=-100)
+    return folder
 
 
 # ---------------------------------------------------------------------------- Hugging Face

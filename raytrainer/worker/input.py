@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ..config import DataConfig
 from ..data import BatchPlan, fetch, val_shard
 from ..errors import ConfigError, TaskError
-from . import _internals
+from . import _internals, scratch
 
 STREAM_SIZE = sys.maxsize // 4
 """What a stream counts as its length in the BatchPlan: its epoch never ends."""
@@ -85,9 +85,13 @@ def build_train_input(dataset: Any, cfg: DataConfig, *, max_epochs: int | None, 
 # --------------------------------------------------------------------------- loader processes
 
 def loader_context():
-    """See the module doc: forkserver (torch preloaded) where the platform has it."""
+    """See the module doc: forkserver (torch preloaded) where the platform has it. Its
+    sockets go in a scratch folder of this process's (scratch.py), which the next worker on
+    the node removes if this one is killed, rather than in a folder of multiprocessing's
+    own, which only a normal exit removes (_internals.use_multiprocessing_folder)."""
     import multiprocessing
 
+    _internals.use_multiprocessing_folder(scratch.make)
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")

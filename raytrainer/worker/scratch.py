@@ -6,7 +6,10 @@ Each is its worker's alone, named by the worker's pid and node, under
 from outside cannot remove its own: the next worker on that node that asks for a scratch
 folder removes every folder whose process is gone (a replacement, the next run's workers).
 A Trainer's checkpoints left by each kill (a real model's, each the size of its state) would
-otherwise fill the node's temp disk run after run."""
+otherwise fill the node's temp disk run after run.
+
+A worker's multiprocessing sockets (its loader processes' fork server, input.loader_context)
+are made in such a folder too, for the same reason."""
 
 from __future__ import annotations
 
