@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from raytrainer.worker.input import LoaderProcessDied, MapInput, StreamInput, _P
 from raytrainer.worker.loop import Loop, LoopSettings
 
 from .conftest import assert_no_loader_processes
+from .ray_procs import SESSION_TAG
 from .tasks import BadInputTask, RegressionStream, RegressionTask, StreamTask
 
 
@@ -154,33 +157,59 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_worker_killed_with_loader_processes_leaves_its_sockets_folder_to_the_next(short_tmp, monkeypatch):
-    """A process whose loader processes' fork server runs, SIGKILLed (a worker at a run's end,
-    or in a fault): multiprocessing's own folder for its sockets (pymp-*) would be left in the
-    temp dir, one for each such worker and run. It is the worker's scratch folder instead,
-    which the next one on the node removes."""
+def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_folder(short_tmp, monkeypatch):
+    """A process training with loader processes, SIGKILLed from outside mid-run, as Ray
+    kills a worker at a run's end or a fault does, with nothing but the kernel to clean up
+    (Ray 2.60 also kills a dead worker's process group; not every Ray does). Its loader
+    processes and their fork server go with it: they used to live on for good, each
+    waiting on the other. Its fork server's socket folder is not multiprocessing's own
+    (pymp-*, which only a normal exit removes: one was left in the temp dir for each such
+    worker and run) but a scratch folder of the worker's, which the next one on the node
+    removes."""
     from raytrainer.worker import scratch
 
-    tmp_path = short_tmp
+    from .ray_procs import live_processes
+    from .waits import Deadline
 
-    script = ("import os, signal, torch\n"
-              "from multiprocessing import util\n"
+    monkeypatch.setenv(SESSION_TAG, uuid.uuid4().hex)  # this test's processes apart from any other's
+    script = ("import torch\n"
               "from raytrainer.config import DataConfig, TrainerConfig\n"
               "from raytrainer.worker.loop import Loop, LoopSettings\n"
               "from tests.tasks import RegressionTask\n"
-              "cfg = LoopSettings(trainer=TrainerConfig(max_steps=3, global_batch_size=16, micro_batch_size=8),\n"
-              "                   data=DataConfig(num_workers=2))\n"
-              "Loop(RegressionTask(), cfg, rank=0, world_size=1, device=torch.device('cpu')).fit()\n"
-              "print(os.getpid(), util.get_temp_dir(), flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGKILL)\n")
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    pid, folder = done.stdout.split()
-    root = tmp_path / scratch.ROOT
-    assert Path(folder).parent == root and Path(folder).name.startswith(f"{pid}@"), folder
-    assert Path(folder).is_dir() and not list(tmp_path.glob("pymp-*"))  # the killed process could not remove it
-    monkeypatch.setattr(scratch.tempfile, "tempdir", str(tmp_path))
+              "if __name__ == '__main__':\n"
+              "    cfg = LoopSettings(trainer=TrainerConfig(max_steps=100000, global_batch_size=16, micro_batch_size=8),\n"
+              "                       data=DataConfig(num_workers=2))\n"
+              "    Loop(RegressionTask(sleep_s=0.02), cfg, rank=0, world_size=1, device=torch.device('cpu')).fit()\n")
+    (short_tmp / "train.py").write_text(script)
+    errors = short_tmp / "stderr"
+    with errors.open("w") as stderr:
+        worker = subprocess.Popen([sys.executable, str(short_tmp / "train.py")], stderr=stderr,
+                                  env={**os.environ, "TMPDIR": str(short_tmp), "PYTHONPATH": os.getcwd()})
+
+    def others():
+        return [(pid, cmdline) for pid, _, cmdline in live_processes(ours_only=True) if pid != worker.pid]
+
+    try:
+        deadline = Deadline(120)
+        while len([c for _, c in others() if b"raytrainer.worker.input" in c]) < 3:  # the fork server, 2 loaders
+            assert worker.poll() is None, errors.read_text()
+            assert not deadline.passed(), f"no loader processes started: {others()}"
+            time.sleep(0.1)
+        worker.kill()
+        assert worker.wait() == -signal.SIGKILL
+        deadline = Deadline(30)
+        while others() and not deadline.passed():
+            time.sleep(0.1)
+        assert not others(), f"left running after the worker was killed: {others()}"
+    finally:
+        worker.kill()
+        for pid, _ in others():
+            os.kill(pid, signal.SIGKILL)
+    root = short_tmp / scratch.ROOT
+    assert not list(short_tmp.glob("pymp-*"))
+    [left] = root.iterdir()  # the killed worker's, which it could not remove
+    assert left.name.startswith(f"{worker.pid}@") and any(p.name.startswith("listener-") for p in left.iterdir())
+    monkeypatch.setattr(scratch.tempfile, "tempdir", str(short_tmp))
     made = scratch.make()  # the next worker's
     assert sorted(root.iterdir()) == [made]
 

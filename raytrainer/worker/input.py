@@ -22,19 +22,27 @@ own threads and sockets; forking such a process copies locks held by other threa
 fork server is a clean single-threaded process, started once per actor with torch
 already imported, from which each loader process is forked in milliseconds ("spawn"
 would import torch again in every one). Each loader process runs with one intra-op
-thread (torch's DataLoader sets it), and asks the kernel to kill it when its parent
-goes (PR_SET_PDEATHSIG): the fork server exits when the actor dies, so a SIGKILLed
-actor leaves no loader process behind, even one stuck in a dataset's read.
+thread (torch's DataLoader sets it), and exits the moment the worker that reads from it
+is gone, however it went and whatever the dataset is doing (_exit_with_worker). Its
+parent is the fork server, not the worker, and neither watches the worker: a fork server
+exits only once every process it forked has (each holds its liveness pipe), and torch's
+loader process waits on its queue for as long as its parent, the fork server, lives. A
+SIGKILLed worker used to leave both running for good wherever Ray does not kill a dead
+worker's process group (Ray 2.60 does, unless RAY_process_group_cleanup_enabled=0).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
+import time
 from typing import Any, Iterator
 
 import torch
@@ -44,6 +52,7 @@ from ..config import DataConfig
 from ..data import BatchPlan, fetch, val_shard
 from ..errors import ConfigError, TaskError
 from . import _internals, scratch
+from .control import running
 
 STREAM_SIZE = sys.maxsize // 4
 """What a stream counts as its length in the BatchPlan: its epoch never ends."""
@@ -101,8 +110,10 @@ def loader_context():
     return ctx
 
 
-def _init_loader_process(worker_id: int) -> None:
-    """In each loader process: die with the parent (Linux), whatever the dataset is doing."""
+def _init_loader_process(worker: int, worker_id: int) -> None:
+    """In each loader process: die with its parent (the fork server; Linux) and with the
+    worker `worker` (the pid of the process that reads from it), whatever the dataset is
+    doing."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -110,6 +121,20 @@ def _init_loader_process(worker_id: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the parent went before the request took effect
         os._exit(0)
+    threading.Thread(target=_exit_with_worker, args=(worker,), name="raytrainer-loader-watch", daemon=True).start()
+
+
+def _exit_with_worker(worker: int) -> None:
+    """End this loader process once process `worker` has exited: waits on a pidfd (Linux
+    5.3+), else looks once a second."""
+    try:
+        fd = os.pidfd_open(worker)
+    except (AttributeError, OSError):  # no pidfd here, or the worker is gone already
+        while running(worker):
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])  # readable once the process has exited
+    os._exit(0)
 
 
 def start_loader_server(cfg: DataConfig) -> None:
@@ -130,7 +155,8 @@ def _loader(dataset: Dataset, cfg: DataConfig, device: torch.device, seed: int, 
     # from torch's default one would change the step's dropout (seeded per step, see loop).
     return DataLoader(dataset, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
                       pin_memory=pin, pin_memory_device=str(device) if pin else "",
-                      multiprocessing_context=loader_context(), worker_init_fn=_init_loader_process,
+                      multiprocessing_context=loader_context(),
+                      worker_init_fn=functools.partial(_init_loader_process, os.getpid()),
                       generator=torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF), **kwargs)
 
 
