@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -22,8 +21,9 @@ from raytrainer.worker.input import LoaderProcessDied, MapInput, StreamInput, _P
 from raytrainer.worker.loop import Loop, LoopSettings
 
 from .conftest import assert_no_loader_processes
-from .ray_procs import SESSION_TAG
+from .ray_procs import SESSION_TAG, live_processes, short_temp_dir
 from .tasks import BadInputTask, RegressionStream, RegressionTask, StreamTask
+from .waits import Deadline
 
 
 def loop(task, data=None, state=None, **trainer):
@@ -152,7 +152,7 @@ def test_a_stream_has_no_epochs():
 def short_tmp():
     """A temp dir with a path as short as /tmp's own (a socket's path is at most 107 bytes:
     one under pytest's tmp_path would be too long to be made there)."""
-    path = tempfile.mkdtemp(prefix="rti-", dir="/tmp")
+    path = short_temp_dir()
     yield Path(path)
     shutil.rmtree(path, ignore_errors=True)
 
@@ -167,9 +167,6 @@ def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_f
     worker and run) but a scratch folder of the worker's, which the next one on the node
     removes."""
     from raytrainer.worker import scratch
-
-    from .ray_procs import live_processes
-    from .waits import Deadline
 
     monkeypatch.setenv(SESSION_TAG, uuid.uuid4().hex)  # this test's processes apart from any other's
     script = ("import torch\n"
