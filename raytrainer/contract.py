@@ -228,6 +228,11 @@ class WorkerGroup(Protocol):
         """Form the group and build the task everywhere, from `resume` if given (a worker
         reads it; CheckpointCorrupt if it does not match its manifest)."""
         ...
+    def adopt(self, takeover: Any) -> tuple[Formed, int]:
+        """Take over the workers a lost driver of the run left (the group's own value, found
+        before the controller starts): what a setup returns, and the step they hold; the
+        group is then re-formed from their memory (`reform` with no one dead)."""
+        ...
     def launch(self) -> None: ...
     def poll(self, timeout: float) -> Poll: ...
     def status(self, timeout: float = 1.0) -> list[Status | None]: ...
@@ -285,6 +290,45 @@ class WorkerGroup(Protocol):
         ...
 
 
+NAMESPACE = "raytrainer"
+"""The Ray namespace of the workers' actor names: a new driver of a run finds the workers a
+lost driver left (failure.driver_grace_s) among the actors named there."""
+
+
+def run_key(storage: str, name: str) -> str:
+    """A short stable key of a run directory, in the names of the run's placement groups
+    (`raytrainer:<key>:...`): whoever ends an orphaned run finds them by it."""
+    import hashlib
+
+    return hashlib.sha256(f"{storage.rstrip('/')}/{name}".encode()).hexdigest()[:16]
+
+
+def placement_group_prefix(storage: str, name: str) -> str:
+    return f"raytrainer:{run_key(storage, name)}:"
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """What a worker says of itself to a driver that may take it over (Worker.orphan)."""
+
+    run: str
+    """run_key of the run it trains; "" for a process kept for another run or a spare."""
+    rank: int | None
+    world_size: int | None
+    step: int
+    paused: bool
+    """Its run() returned "paused": it holds the state of `step`, the group left."""
+    orphaned: bool
+    """Its driver is gone (and no other took it over yet)."""
+    replicated: bool = True
+    total_steps: int | None = None
+    steps_per_epoch: int | None = None
+    node: Node | None = None
+    placement_group: str | None = None
+    """The hex id of the placement group it runs in, if any (a pinned CPU worker runs beside
+    its slot's group, not in it)."""
+
+
 WORKER_ACTOR = "raytrainer.worker.actor:Worker"
 """The class the driver's group makes a Ray actor of, one per worker, by this import path:
 the driver names it but never imports the worker package's modules itself."""
@@ -336,4 +380,11 @@ class WorkerActor(Protocol):
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]: ...
     def save_paused(self) -> int:
         """Once run() returned "paused" for a stop: commit a checkpoint of that step, written."""
+        ...
+    def orphan(self) -> Orphan:
+        """What it holds, for a driver that may take it over (a control call)."""
+        ...
+    def adopt(self, job_id: str) -> bool:
+        """Taken over by the driver of Ray job `job_id`: watch that one from now on; False
+        where it ended meanwhile (its grace was over)."""
         ...

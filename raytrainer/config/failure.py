@@ -113,6 +113,14 @@ class FailureConfig:
     none: every survivor holds it. Your own loop (task.loop) under fsdp copies at every
     report with state instead (any value but 0), so that it loses at most the steps since
     that report."""
+    driver_grace_s: float = 300.0
+    """How long the workers outlive a driver that died without stopping them (SIGKILL, an
+    OOM kill, a lost head process): they pause at a step boundary, keep the state in memory
+    and wait this long for a new driver of the run (the same command run again, or
+    `raytrainer resume`), which takes them over and continues at their step; then they end
+    by themselves, releasing their resources (`raytrainer release RUN_DIR` at once). 0:
+    they end with their driver, as Ray's actors do, and a new driver continues from the
+    newest checkpoint."""
     chaos: list[ChaosFault] = field(default_factory=list)
     """Faults to inject (see ChaosFault)."""
 
@@ -127,5 +135,8 @@ class FailureConfig:
             raise ConfigError(f"failure.warm_spares={self.warm_spares} must be >= 0 (0: none)")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ConfigError(f"failure.step_timeout_s={self.step_timeout_s} must be > 0 (or null)")
+        if self.driver_grace_s < 0:
+            raise ConfigError(f"failure.driver_grace_s={self.driver_grace_s} must be >= 0 (0: workers end with "
+                              "their driver)")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"failure.collective_timeout_s={self.collective_timeout_s} must be > 0")

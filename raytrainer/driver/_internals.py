@@ -346,7 +346,7 @@ def is_placement_group_resource(key: str) -> bool:
     return "_group_" in key
 
 
-def single_slot_on(bundle: dict[str, float], node_id: str):
+def single_slot_on(bundle: dict[str, float], node_id: str, **options: Any):
     """A placement group of one bundle that Ray places on `node_id` if it has room, else
     anywhere (ray.util.placement_group's private `_soft_target_node_id`, which Ray Serve uses;
     it needs the STRICT_PACK strategy). The group's slots start as one group of all
@@ -356,4 +356,18 @@ def single_slot_on(bundle: dict[str, float], node_id: str):
     scaling.placement (PACK, SPREAD) holds for the first placement only by chance."""
     from ray.util.placement_group import placement_group
 
-    return placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=node_id)
+    return placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=node_id, **options)
+
+
+def placement_groups_named(prefix: str) -> list[tuple[Any, dict[str, Any]]]:
+    """The placement groups (not removed) whose name starts with `prefix`, with their table
+    entries: the groups a lost driver of a run reserved (group/orphans.py). Ray lists them
+    publicly (placement_group_table) but makes a handle from an id only privately:
+    PlacementGroup(PlacementGroupID), the class its own handles are. Without it: a new
+    driver could not take over the slots of the workers it takes over, nor give them back."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    return [(PlacementGroup(PlacementGroupID.from_hex(pg_id)), info)
+            for pg_id, info in placement_group_table().items()
+            if (info.get("name") or "").startswith(prefix) and info.get("state") != "REMOVED"]

@@ -21,7 +21,7 @@ from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
 from ..contract import Resume
-from . import localray
+from . import identity as identities, localray
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError, Stopped, warn
 from ..task import describe
@@ -70,23 +70,33 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         )
     resolve_paths(config, os.getcwd())
     storage = Storage(config.run.storage)
+    identity = None
     if config.run.name is None:
         stem = stem or config.task.path.partition(":")[0].rsplit(".", 1)[-1]  # a module's: examples.digits -> digits
-        config.run.name = _new_name(storage, stem)
+        identity = identities.of(config)
+        previous = _continued(config, storage, stem, identity) if config.run.resume == "auto" else None
+        config.run.name = previous or _new_name(storage, stem)
     name = config.run.name
-    if storage.local:
-        lock, shown = Path(storage.root) / name / ".lock", str(Path(storage.root) / name)
-    else:
-        lock, shown = _mirror_dir(storage, name).with_name(f"{name}.lock"), f"{storage.uri.rstrip('/')}/{name}"
+    lock, shown = _lock_of(storage, name)
     with _held(lock, shown):
         run_dir = lock.parent if storage.local else _local_mirror(storage, name)
-        resume = _find_resume(config, storage, run_dir)
-
+        lost = _driver_lost(run_dir)
+        resume = None if lost else _find_resume(config, storage, run_dir)
         connected_here = not ray.is_initialized()
         if connected_here:
             init_ray(address)
         try:
-            return _run(config, storage, run_dir, resume, progress=progress,
+            takeover = None
+            if lost:  # its workers may wait for a new driver (failure.driver_grace_s)
+                from .group import orphans
+
+                takeover = orphans.find(config, shown)
+                if takeover is None:
+                    resume = _find_resume(config, storage, run_dir, from_scratch=identity is not None)
+            _say_which(shown, run_dir, resume, takeover)
+            if identity is not None:
+                _record_identity(storage, name, run_dir, identity)
+            return _run(config, storage, run_dir, resume, progress=progress, takeover=takeover,
                         cluster_can_grow=not localray.started_here(), callbacks=list(callbacks))
         finally:
             if connected_here:
@@ -183,6 +193,76 @@ def resolve_use_gpu(scaling: Any, gpus: float, *, can_grow: bool, warn: Any = No
     return use_gpu
 
 
+def _continued(config: Config, storage: Storage, stem: str, identity: identities.Identity) -> str | None:
+    """The name of the run this one continues: the newest run of the same identity
+    (identity.py) that did not finish, has a checkpoint to continue from, and that no other
+    process holds; None for a new run, saying why where there was such a run."""
+    previous = identities.find(storage, stem, identity)
+    if previous is None:
+        return None
+    shown = _lock_of(storage, previous.name)[1]
+    if previous.ended == "finished":
+        _say(f"the last run of this config, {shown}, {previous.how}: starting a new run")
+        return None
+    if previous.ended is not None and Checkpoints(storage, previous.name, config.checkpoint).newest() is None:
+        _say(f"the last run of this config, {shown}, {previous.how}, with no checkpoint to continue from: "
+             "starting a new run")
+        return None
+    lock = _lock_of(storage, previous.name)[0]
+    with contextlib.suppress(ImportError, OSError):
+        held = localray.try_lock(lock)
+        if held is None:
+            _say(f"the last run of this config, {shown}, is in use by another process ({lock.read_text().strip()}): "
+                 "starting a new run")
+            return None
+        held.close()
+    return previous.name
+
+
+def _lock_of(storage: Storage, name: str) -> tuple[Path, str]:
+    """The file that holds run `name` for one process (_held), and the run directory as shown."""
+    if storage.local:
+        return Path(storage.root) / name / ".lock", str(Path(storage.root) / name)
+    return _mirror_dir(storage, name).with_name(f"{name}.lock"), f"{storage.uri.rstrip('/')}/{name}"
+
+
+def _say_which(shown: str, run_dir: Path, resume: Resume | None, takeover: Any) -> None:
+    """The run's first line: a new run, or which one it continues, where, from what, and how
+    that one's last attempt ended."""
+    events = identities.events_of(run_dir / "events.jsonl")
+    if not events:
+        _say(f"new run {shown}")
+        return
+    how = identities.last_end(events)[1]
+    if takeover is not None:
+        _say(f"continuing {shown} at step {takeover.step} from its {len(takeover.actors)} workers' memory "
+             f"(its last attempt: {how})")
+    elif resume is not None:
+        _say(f"continuing {shown} at step {resume[0]} from checkpoint {resume[1]} (its last attempt: {how})")
+    else:
+        _say(f"continuing {shown} from step 0: no checkpoint and no worker was left (its last attempt: {how})")
+
+
+def _driver_lost(run_dir: Path) -> bool:
+    """Whether the run's last attempt has no end recorded: its driver died, and its workers
+    may be waiting for a new one (failure.driver_grace_s)."""
+    events = identities.events_of(run_dir / "events.jsonl")
+    return bool(events) and identities.last_end(events)[0] is None
+
+
+def _record_identity(storage: Storage, name: str, run_dir: Path, identity: identities.Identity) -> None:
+    """What the next run of the same identity finds this one by (identity.find)."""
+    if (run_dir / identities.FILE).exists():
+        return
+    (run_dir / identities.FILE).write_bytes(identity.record())
+    if not storage.local:  # found there by the next run, before this one's logs are uploaded
+        storage.write(f"{name}/{identities.FILE}", identity.record())
+
+
+def _say(line: str) -> None:
+    print(f"raytrainer: {line}", file=sys.stderr, flush=True)
+
+
 def _new_name(storage: Storage, stem: str) -> str:
     """The default run.name, `<stem>-<UTC time>`; on local storage one whose directory this
     run makes (mkdir: atomic), so that runs started within the same second (a sweep, a
@@ -251,8 +331,10 @@ def _local_mirror(storage: Storage, name: str) -> Path:
     return mirror
 
 
-def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | None:
-    """The checkpoint to start from, per run.resume."""
+def _find_resume(config: Config, storage: Storage, run_dir: Path, from_scratch: bool = False) -> Resume | None:
+    """The checkpoint to start from, per run.resume. `from_scratch`: a run found by its
+    identity, whose driver was lost before any checkpoint and left no worker, starts over
+    in its directory (an explicit run.name with nothing to resume from is an error)."""
     mode = config.run.resume
     if mode not in ("auto", "never"):
         try:
@@ -261,7 +343,7 @@ def _find_resume(config: Config, storage: Storage, run_dir: Path) -> Resume | No
             raise ConfigError(f"run.resume={mode!r}: {exc}") from None
         return ref.step, mode, ref
     found = _latest(config, storage) if mode == "auto" else None
-    if found is not None:
+    if found is not None or from_scratch:
         return found
     if (run_dir / "metrics.jsonl").exists() or Checkpoints(storage, config.run.name, config.checkpoint).committed():
         why = ("already holds a run but no committed checkpoint to resume from" if mode == "auto"
@@ -365,7 +447,7 @@ class _UploadLogs(Callback):
 
 
 def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
-         progress: bool, cluster_can_grow: bool, callbacks: list[Any]) -> Result:
+         progress: bool, cluster_can_grow: bool, callbacks: list[Any], takeover: Any = None) -> Result:
     import ray
 
     from .group import RayWorkerGroup
@@ -383,7 +465,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
     events = EventLog(run_dir / "events.jsonl")
     bar = ProgressBar() if progress else None
     sinks = [JsonlWriter(run_dir / "metrics.jsonl")] + ([bar] if bar else []) + loggers
-    hub = MetricsHub(sinks, RunInfo(run_dir, config.run.name, config.to_dict(), resumed=resume is not None,
+    hub = MetricsHub(sinks, RunInfo(run_dir, config.run.name, config.to_dict(),
+                                    resumed=resume is not None or takeover is not None,
                                     states=SinkStates(run_dir)))
     events.listeners.append(hub.event)
     upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
@@ -396,7 +479,7 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
                                      + ([_CheckpointArtifacts(hub)] if storage.local else []))
         records = Records(hub=hub, events=events, progress=bar, callbacks=driver_callbacks,
                           context=RunContext(run_dir, config))
-        controller = Controller(group, ControllerSettings.of(config), records, resume=resume,
+        controller = Controller(group, ControllerSettings.of(config), records, resume=resume, takeover=takeover,
                                 restore=lambda before=None: _latest(config, storage, before))
         try:
             with _stop_on_signals(controller):

@@ -140,9 +140,11 @@ class Controller:
     SILENT_AFTER_S = 0.5
 
     def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
-                 resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None):
+                 resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None,
+                 takeover: Any = None):
         self.group = group
         self.resume = resume  # (step, checkpoint name, where it is) to start from
+        self.takeover = takeover  # the workers a lost driver of the run left, for group.adopt
         self.failure = settings.failure
         self.policy = FailurePolicy(self.failure.max_failures)
         # The newest committed checkpoint (before a step, if given), if any.
@@ -222,7 +224,10 @@ class Controller:
     def _start(self, t0: float) -> None:
         """Form the group (recovering where a worker is lost meanwhile); training runs."""
         try:
-            self._form(self.resume, t0, check_storage=True)
+            if self.takeover is not None:
+                self._take_over(t0)
+            else:
+                self._form(self.resume, t0, check_storage=True)
         except ReformFailed as exc:  # a worker lost while the group first formed
             self._recover(exc.failures, lost=exc.dead)
         self.state = State.RUNNING
@@ -263,6 +268,22 @@ class Controller:
         self.group.launch()
         self.watchdog.reset()
         return resume
+
+    def _take_over(self, t0: float) -> None:
+        """The workers a lost driver of the run left, paused at one step with the state in
+        memory: the group re-formed over them from that memory, and training goes on at
+        their step (nothing lost but a step in flight)."""
+        formed, step = self.group.adopt(self.takeover)
+        self._nodes, self.world = formed.nodes, formed.world_size
+        self.resizing.formed(self.world)
+        self._replicated = formed.replicated
+        self.step = self.ctx.step = step
+        if self.progress is not None:
+            self.progress.total_steps = formed.total_steps
+        self._reform([])
+        self.events.log("group_formed", step=self.step, world_size=self.world, nodes=[n.ip for n in self._nodes],
+                        pids=[n.pid for n in self._nodes], seconds=round(time.monotonic() - t0, 3),
+                        total_steps=formed.total_steps, steps_per_epoch=formed.steps_per_epoch, taken_over=True)
 
     def _setup(self, resume: Resume | None) -> tuple[Formed, Resume | None]:
         """Form the group from `resume`; where the workers find that checkpoint corrupt,

@@ -301,3 +301,42 @@ def kv_put_if_absent(key: str, value: bytes) -> bool:
     from ray.experimental.internal_kv import _internal_kv_put
 
     return not _internal_kv_put(key, value, overwrite=False)
+
+
+def job_alive(job_id: str) -> bool | None:
+    """Whether Ray job `job_id` (hex: a driver) is alive: False once the GCS holds it dead
+    (its driver process exited or was killed), None where it cannot tell (the GCS does not
+    answer, or does not know the job). Ray has no public way for an actor to watch a
+    driver: ray._private.state's job table is what `ray list jobs` reads without the
+    dashboard. Without it: a detached worker would not notice its driver's death and would
+    train on until the run's end with nobody recording it (failure.driver_grace_s)."""
+    from ray._private import state
+
+    try:
+        table = state.state.job_table()
+    except Exception:  # noqa: BLE001 - a GCS that does not answer now says nothing of the job
+        return None
+    for job in table:
+        if job.get("JobID") == job_id:
+            return not job.get("IsDead")
+    return None
+
+
+def remove_placement_groups(prefix: str) -> int:
+    """Remove every placement group whose name starts with `prefix` (a run's, named by the
+    driver: contract.placement_group_prefix); how many. The table is public
+    (ray.util.placement_group_table), a group from its id is not: PlacementGroup(id) is the
+    class Ray's own handles are. Without it: an orphaned run's detached groups would hold
+    their resources until Ray stops."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    removed = 0
+    for pg_id, info in placement_group_table().items():
+        if (info.get("name") or "").startswith(prefix) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+                removed += 1
+            except Exception:  # noqa: BLE001 - removed meanwhile by another worker of the run
+                pass
+    return removed

@@ -28,10 +28,11 @@ from typing import Any
 
 from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
-from ..contract import CopiedState, Holdings, Node, RunEnd, Reshard, Snapshot, Status
+from ..contract import (CopiedState, Holdings, Node, Orphan, RunEnd, Reshard, Snapshot, Status,
+                        placement_group_prefix, run_key)
 from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
-from . import building, control, keeping
+from . import building, control, keeping, orphan
 from .copies import LoneCopy
 from .forming import Forming, load, resolve
 from .warm import adopt
@@ -70,6 +71,8 @@ class Worker:
         self._run_thread: int | None = None  # the thread that trains, for status()
         self._forming = Forming()
         self._outbox = control.Outbox()
+        # A new driver of the run takes this worker over where its driver dies (orphan.py).
+        self._driver = orphan.watch_driver(self, self.config.failure.driver_grace_s)
 
     @property
     def snapshots(self):
@@ -225,6 +228,33 @@ class Worker:
         """Pause `run` at the next step boundary all ranks agree on."""
         if self.loop is not None:
             self.loop.pause_requested = True
+
+    def orphan(self) -> Orphan:
+        """What this worker holds, for a new driver that may take it over (orphan.py)."""
+        import ray
+
+        loop, run = self.loop, self.config.run
+        idle = self._run_thread is None
+        return Orphan(run=run_key(run.storage, run.name) if run.name else "", rank=self.rank,
+                      world_size=loop.world_size if loop else None, step=loop.step if loop else 0,
+                      paused=bool(loop is not None and idle and loop.paused),
+                      orphaned=self._driver is not None and self._driver.orphaned,
+                      replicated=loop.replicated if loop else True,
+                      total_steps=loop.total_steps if loop else None,
+                      steps_per_epoch=loop.steps_per_epoch if loop else None,
+                      node=self.node() if loop else None,
+                      placement_group=ray.get_runtime_context().get_placement_group_id())
+
+    def adopt(self, job_id: str) -> bool:
+        """Taken over by the driver of Ray job `job_id` (orphan.py)."""
+        return self._driver is not None and self._driver.adopt(job_id)
+
+    def placement_group_prefix(self) -> str | None:
+        """Its run's placement groups are named with this (orphan.py); None where this process
+        holds nothing of a run (released for the next)."""
+        if "config" not in self.__dict__ or not self.config.run.name:
+            return None
+        return placement_group_prefix(self.config.run.storage, self.config.run.name)
 
     def dump_stacks(self) -> str:
         """Every thread's Python stack, for a worker about to be killed as hung."""

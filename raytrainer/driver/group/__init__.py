@@ -29,7 +29,7 @@ from ...checkpoint import CheckpointRef
 from ...config import Config
 from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
 from ..storage_check import check_shared_storage
-from . import actors, kept, reforming
+from . import actors, kept, orphans, reforming
 from .actors import Roster, control, gather, start_worker, worker_bundle
 from .drains import Moves, draining_nodes
 from .copies import KeptCopies
@@ -84,6 +84,19 @@ class RayWorkerGroup:
         if len(kept.kept_actors()) > kept_before - len(self.roster.actors):  # one started cold
             COLD_START_S[:] = [time.monotonic() - t0]
         return self.roster.nodes  # the warm spares start once training runs (poll)
+
+    def adopt(self, takeover: orphans.Takeover) -> tuple[Formed, int]:
+        """The workers a lost driver of the run left, taken over (orphans.find), as this
+        group's, with their slots and the run's other placement groups; the group is to be
+        re-formed from their memory (they left theirs as they paused). Returns what a setup
+        would, and the step they hold."""
+        self.roster.actors = list(takeover.actors)
+        self.roster.nodes = [o.node for o in takeover.found]
+        self.roster.slots = list(takeover.slots)
+        self.slots.pgs = [pg for pg, _ in takeover.groups]
+        first = takeover.found[0]
+        self._total_steps = first.total_steps
+        return Formed(list(self.roster.nodes), first.total_steps, first.steps_per_epoch, first.replicated), first.step
 
     def check_storage(self, nodes: list[Node]) -> dict[str, Any] | None:
         """Fail now if workers on other nodes cannot see the run directory."""

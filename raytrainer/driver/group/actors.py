@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ...config import Config
-from ...contract import WORKER_ACTOR, Failure, Node
+from ...contract import NAMESPACE, WORKER_ACTOR, Failure, Node, placement_group_prefix
 from ...errors import PeerFailure, RaytrainerError, WorkerError
 from ...task import import_object
 from .._internals import is_placement_group_resource, mute_death_notice
@@ -64,12 +65,13 @@ def start_worker(config: Config, bundle: dict[str, float], slot: Slot, joining: 
     args, kwargs = (config.to_dict(), config.task.payload), {"warm": joining, "cwd": config.run.cwd}
     node = placed_on(slot) if keepable(config, bundle) else None
     if node is not None:
-        return kept.take(node, *args, **kwargs) or _pinned(node).remote(*args, **kwargs)
+        return kept.take(node, *args, **kwargs) or _pinned(node, config).remote(*args, **kwargs)
     extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     pg, index = slot
     return _remote_worker().options(
         num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=extra or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        **outliving_the_driver(config),
     ).remote(*args, **kwargs)  # the payload: its object-store ref
 
 
@@ -80,7 +82,7 @@ def start_spare(config: Config, node_id: str, cold: bool = True) -> Any | None:
     A kept process serves where there is one; else a new one starts if `cold`, or None."""
     args, kwargs = (config.to_dict(), config.task.payload), {"spare": True, "cwd": config.run.cwd}
     return ((kept.take(node_id, *args, **kwargs) if keepable(config, {}) else None)
-            or (_pinned(node_id).remote(*args, **kwargs) if cold else None))
+            or (_pinned(node_id, config).remote(*args, **kwargs) if cold else None))
 
 
 def keepable(config: Config, bundle: dict[str, float]) -> bool:
@@ -107,10 +109,31 @@ def placed_on(slot: Slot) -> str | None:
     return table.get("bundles_to_node_id", {}).get(index)
 
 
-def _pinned(node_id: str) -> Any:
+def _pinned(node_id: str, config: Config) -> Any:
     """The worker actor class, placed on `node_id` and holding no resources."""
     return _remote_worker().options(
-        num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        **outliving_the_driver(config))
+
+
+def outliving_the_driver(config: Config) -> dict[str, Any]:
+    """A worker actor's options: detached and named (in contract.NAMESPACE), so that a
+    driver's death leaves it to wait for a new driver of its run (failure.driver_grace_s,
+    worker/orphan.py), which finds it by its name; with no grace, Ray's default: it ends
+    with its driver."""
+    if config.failure.driver_grace_s <= 0:
+        return {}
+    return {"lifetime": "detached", "name": f"raytrainer-{uuid.uuid4().hex}", "namespace": NAMESPACE}
+
+
+def kept_for_a_new_driver(config: Config) -> dict[str, Any]:
+    """A slot's placement group options: detached with its worker (outliving_the_driver), and
+    named with the run's prefix, by which the workers remove the run's groups when no new
+    driver came (worker/orphan.py) and a new driver finds them."""
+    if config.failure.driver_grace_s <= 0:
+        return {}
+    prefix = placement_group_prefix(config.run.storage, config.run.name)
+    return {"lifetime": "detached", "name": f"{prefix}{uuid.uuid4().hex[:12]}"}
 
 
 def alive_nodes() -> set[str]:

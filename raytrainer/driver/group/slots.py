@@ -38,7 +38,7 @@ from ...contract import Node
 from ...errors import PlacementError
 from .._internals import single_slot_on
 from ..policy import keep_waiting_for_placement
-from .actors import Roster, Slot, resources_text, start_worker
+from .actors import Roster, Slot, kept_for_a_new_driver, resources_text, start_worker
 
 Joiner = tuple[Slot, Any, Any]
 """A worker started in a free slot: (its slot, its actor, its node() call)."""
@@ -72,11 +72,12 @@ class Slots:
             nodes = [ray.get_runtime_context().get_node_id()] * scaling.min_workers
         # The same nodes, one group each (a soft target: were the room taken meanwhile,
         # another node serves; _internals.single_slot_on).
-        self.pgs = [single_slot_on(self.bundle, nodes[i]) for i in range(scaling.min_workers)]
+        self.pgs = [single_slot_on(self.bundle, nodes[i], **kept_for_a_new_driver(self.config))
+                    for i in range(scaling.min_workers)]
         self._wait_ready(self.pgs, t0)
         slots = [(pg, 0) for pg in self.pgs]
         # Only now: single bundles asked for first could take the room the core needs.
-        extras = [placement_group([self.bundle]) for _ in range(scaling.max_workers - scaling.min_workers)]
+        extras = [self._group() for _ in range(scaling.max_workers - scaling.min_workers)]
         self.pgs += extras
         if extras:
             refs = [pg.ready() for pg in extras]
@@ -99,9 +100,13 @@ class Slots:
 
     def single(self) -> Slot:
         """A new slot in a group of its own (Ray places it off draining nodes)."""
-        pg = placement_group([self.bundle])
+        pg = self._group()
         self.pgs.append(pg)
         return pg, 0
+
+    def _group(self) -> Any:
+        """A placement group of one worker's bundle, pending until the cluster has room."""
+        return placement_group([self.bundle], **kept_for_a_new_driver(self.config))
 
     def release(self, slot: Slot) -> None:
         """Give back a slot no worker uses (its placement group)."""
@@ -111,7 +116,7 @@ class Slots:
 
     def renew(self, slot: Slot) -> Slot:
         """A new group in place of `slot`'s (removed), pending until the cluster has room."""
-        pg, new = slot[0], placement_group([self.bundle])
+        pg, new = slot[0], self._group()
         if pg in self.pgs:
             self.pgs[self.pgs.index(pg)] = new
             remove_placement_group(pg)
