@@ -160,10 +160,11 @@ def assert_no_leaks(timeout_s=10.0):
     deadline = Deadline(timeout_s)
     while True:
         # Ray Data starts cluster-wide service actors (its stats and autoscaling actors),
-        # detached, once per cluster; raytrainer never makes a detached actor.
+        # detached, once per cluster; raytrainer's workers are detached too (they outlive a
+        # lost driver: failure.driver_grace_s), and named raytrainer-...
         keeping = kept_actor_ids()
         alive = {k: a["ActorClassName"] for k, a in state.actors(actor_state_name="ALIVE").items()
-                 if not a["IsDetached"] and k not in keeping}
+                 if (not a["IsDetached"] or a["Name"].startswith("raytrainer-")) and k not in keeping}
         pgs = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
         if not alive and not pgs:
             return

@@ -104,6 +104,27 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
                 localray.release()  # a kept Ray may serve another run now
 
 
+def release(run_dir: str, *, address: str | None = None) -> str:
+    """End at once the workers a lost driver of the run in `run_dir` left waiting for a new
+    one (failure.driver_grace_s), and remove the run's placement groups; what was done."""
+    import ray
+
+    shown = run_dir.rstrip("/") if "://" in run_dir else str(Path(run_dir).resolve())
+    storage, _, name = shown.rpartition("/")
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        init_ray(address)
+    try:
+        from .group import orphans
+
+        ended = orphans.release(storage or "/", name)
+    finally:
+        if connected_here:
+            ray.shutdown()
+            localray.release()
+    return f"ended {ended} worker(s) of {shown} and removed its placement groups"
+
+
 def train_loop(fn: Any, config: str | Path | dict[str, Any] | None = None, overrides: Iterable[str] = (), *,
                args: dict[str, Any] | None = None, address: str | None = None, progress: bool = True,
                callbacks: Iterable[Any] = ()) -> Result:

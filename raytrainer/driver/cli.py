@@ -1,5 +1,6 @@
 """Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`,
-`raytrainer bench`, `raytrainer plot RUN_DIR ...`, `raytrainer up|down|status` (the kept local Ray)."""
+`raytrainer bench`, `raytrainer plot RUN_DIR ...`, `raytrainer up|down|status` (the kept local Ray),
+`raytrainer release RUN_DIR` (the workers a killed run left for a new driver)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     from ..bench import add_arguments
 
     add_arguments(bench)
+    release = sub.add_parser("release", help="end at once the workers a killed run left waiting for a new driver "
+                             "(failure.driver_grace_s)")
+    release.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535")
+    release.add_argument("--address", help="Ray cluster the run ran on (default: $RAY_ADDRESS, else the local Ray)")
     sub.add_parser("up", help="start the local Ray that runs keep for the next ones, now (RAYTRAINER_KEEP_RAY)")
     down = sub.add_parser("down", help="stop every local Ray that runs keep for the next ones (all of this user's); "
                           "one a run is using is left up")
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "raytrainer" if args.command in ("train", "resume") else f"raytrainer {args.command}"
     try:
         commands = {"train": _train, "resume": _train, "bench": _bench, "plot": _plot, "up": _up, "down": _down,
-                    "status": _status}
+                    "status": _status, "release": _release}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"{prefix}: config error: {exc}", file=sys.stderr)
@@ -97,6 +102,13 @@ def _train(args: argparse.Namespace) -> int:
     shown = {k: v for k, v in m.items() if k not in ("step", "epoch", "world_size", "time")}
     print(f"finished {result.run_dir}: step {m.get('step')}, epoch {m.get('epoch', 0) + 1}")
     print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from .api import release
+
+    print(release(args.run_dir, address=args.address))
     return 0
 
 

@@ -60,6 +60,10 @@ class Worker:
         # while training runs, on the workers' cores.
         self.config = load_config(config)
         self.config.task.payload = payload  # a task or loop passed by value: unpickled at each setup
+        # A new driver of the run takes this worker over where its driver dies (orphan.py).
+        # Started before the imports take the process's baseline (keeping.note_start): it
+        # serves every run this process trains in.
+        self._driver = orphan.watch_driver(self, self.config.failure.driver_grace_s)
         self._warm_up = _WarmUp(self.config if warm or spare else None, spare=spare)
         self.rank: int | None = None
         self.loop = None
@@ -71,8 +75,6 @@ class Worker:
         self._run_thread: int | None = None  # the thread that trains, for status()
         self._forming = Forming()
         self._outbox = control.Outbox()
-        # A new driver of the run takes this worker over where its driver dies (orphan.py).
-        self._driver = orphan.watch_driver(self, self.config.failure.driver_grace_s)
 
     @property
     def snapshots(self):
@@ -233,6 +235,8 @@ class Worker:
         """What this worker holds, for a new driver that may take it over (orphan.py)."""
         import ray
 
+        if "config" not in self.__dict__:  # released for the next run: nothing of one here
+            return Orphan(run="", rank=None, world_size=None, step=0, paused=False, orphaned=False)
         loop, run = self.loop, self.config.run
         idle = self._run_thread is None
         return Orphan(run=run_key(run.storage, run.name) if run.name else "", rank=self.rank,

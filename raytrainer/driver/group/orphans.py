@@ -47,9 +47,9 @@ class Takeover:
         return self.found[0].step
 
 
-def of_run(config: Config) -> list[tuple[Any, Orphan]]:
-    """The worker actors of the run `config` names, with what each holds."""
-    key = run_key(config.run.storage, config.run.name)
+def of_run(storage: str, name: str) -> list[tuple[Any, Orphan]]:
+    """The worker actors of run `name` in `storage`, with what each holds."""
+    key = run_key(storage, name)
     handles = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") != NAMESPACE:
@@ -65,11 +65,12 @@ def of_run(config: Config) -> list[tuple[Any, Orphan]]:
 def find(config: Config, shown: str) -> Takeover | None:
     """Take over the workers a lost driver of this run left, if they hold a state to continue
     from; else end them (and the run's placement groups). None where none is taken over."""
+    run = config.run
     deadline = time.monotonic() + PAUSE_WAIT_S
     while True:
-        mine = of_run(config)
+        mine = of_run(run.storage, run.name)
         if not mine:
-            release(config, [])
+            release(run.storage, run.name, [])
             return None
         settled = all(o.orphaned and (o.paused or o.rank is None or o.world_size is None) for _, o in mine)
         if settled or time.monotonic() > deadline:
@@ -85,19 +86,19 @@ def find(config: Config, shown: str) -> Takeover | None:
     whole = (world and sorted(by_rank) == list(range(world)) and len({o.step for _, o in holders}) == 1
              and all(o.replicated for _, o in holders))
     if not whole:
-        release(config, [h for h, _ in mine])
+        release(run.storage, run.name, [h for h, _ in mine])
         return None
     takeover = Takeover([by_rank[r][0] for r in range(world)], [by_rank[r][1] for r in range(world)],
-                        placement_groups_named(placement_group_prefix(config.run.storage, config.run.name)))
+                        placement_groups_named(placement_group_prefix(run.storage, run.name)))
     try:
         takeover.slots = slots(takeover)
     except LookupError:
-        release(config, [h for h, _ in mine])
+        release(run.storage, run.name, [h for h, _ in mine])
         return None
     job = ray.get_runtime_context().get_job_id()
     taken = ask_refs([control(by_rank[r][0], "adopt").remote(job) for r in range(world)], ASK_S)
     if not all(taken):  # one ended its grace meanwhile
-        release(config, [h for h, _ in mine])
+        release(run.storage, run.name, [h for h, _ in mine])
         return None
     for handle, orphan in mine:  # spares, newcomers: the new driver starts its own
         if orphan.rank is None or not orphan.paused:
@@ -105,16 +106,16 @@ def find(config: Config, shown: str) -> Takeover | None:
     return takeover
 
 
-def release(config: Config, actors: list[Any] | None = None) -> int:
-    """End the workers of the run `config` names (all that are left, where `actors` is None)
+def release(storage: str, name: str, actors: list[Any] | None = None) -> int:
+    """End the workers of run `name` in `storage` (all that are left, where `actors` is None)
     and remove its placement groups; how many workers."""
     from ray.util.placement_group import remove_placement_group
 
     if actors is None:
-        actors = [h for h, _ in of_run(config)]
+        actors = [h for h, _ in of_run(storage, name)]
     for actor in actors:
         ray.kill(actor, no_restart=True)
-    for pg, _ in placement_groups_named(placement_group_prefix(config.run.storage, config.run.name)):
+    for pg, _ in placement_groups_named(placement_group_prefix(storage, name)):
         try:
             remove_placement_group(pg)
         except Exception:  # noqa: BLE001 - removed meanwhile
