@@ -17,8 +17,6 @@ import threading
 import time
 from typing import Protocol
 
-from . import _internals
-
 
 class Watched(Protocol):
     def request_pause(self) -> None: ...
@@ -52,6 +50,8 @@ class DriverWatch:
             return True
 
     def _watch(self) -> None:
+        from . import _internals  # torch's gateway: imported here, not with the actor (a spare imports it later)
+
         while True:
             time.sleep(self.CHECK_S)
             if self.lost_at is None:
