@@ -43,13 +43,15 @@ def bootstrap_address() -> str | None:
     from ray._private import services
 
     address = services.find_bootstrap_address(None)
-    if address is None or _answers(address):
+    if address is None or answers(address):
         return address
     _warn_stale(address)
     return None
 
 
-def _answers(address: str, timeout_s: float = 2.0) -> bool:
+def answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something listens at `address` (host:port), a GCS's: a connection is
+    accepted within `timeout_s`. A GCS that died refuses at once."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -262,11 +264,11 @@ def own_process_groups() -> Iterator[None]:
 
     A signal to the run's process group (Ctrl-C in a terminal, `timeout`, a container stop,
     `scancel`, systemd) is meant for the run: the driver stops it at a step boundary with a
-    checkpoint. A Ray started by ray.init in this process was in that group: a SIGTERM to the
-    group stopped its GCS and raylet at once (Ray blocks only SIGINT in them), the workers'
-    calls failed, and the driver waited 60 s on the dead GCS, then exited 1. In groups of their
-    own they stop when ray.shutdown stops them, or die with this process if it is killed (as
-    Ray does on Windows, where they get a new process group where they die with their parent).
+    checkpoint. In that group, a Ray started by ray.init in this process gets it too: a SIGTERM
+    stops its GCS and raylet at once (Ray blocks only SIGINT in them), the workers' calls fail,
+    and the driver waits 60 s on the dead GCS until Ray ends it with status 1. In groups of
+    their own they stop when ray.shutdown stops them, or die with this process if it is killed
+    (as on Windows, where Ray gives them a new process group where they die with their parent).
     Without fate-sharing (no prctl) they stay in this group: Ray's reaper then stops them
     by signalling it."""
     from ray._private import utils
