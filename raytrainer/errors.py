@@ -86,6 +86,18 @@ class Stopped(KeyboardInterrupt):
     def __reduce__(self):
         return (type(self), (self.signum, self.step, self.checkpoint, self.checkpoint_step, self.run_dir))
 
+    def how_to_continue(self, config: str | None = None) -> str | None:
+        """The command that continues the run: `raytrainer resume RUN_DIR` where the run
+        directory is local, else (remote storage: run_dir is its URI) the run's config
+        (`config`) trained again under its name; None where the run has no directory yet."""
+        import os
+
+        if not self.run_dir:
+            return None
+        if os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
+            return f"raytrainer resume {self.run_dir}"
+        return f"raytrainer train {config or 'CONFIG'} --set run.name={self.run_dir.rstrip('/').rpartition('/')[2]}"
+
 
 class StorageError(RaytrainerError):
     """The end of the run could not be saved (its final checkpoint or model.pt) after

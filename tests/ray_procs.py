@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -175,3 +176,38 @@ def local_cluster(nodes: int):
         ray.shutdown()
         cluster.shutdown()
         assert wait_gone(temp_dir) == []
+
+
+LINEAR = ["configs/linear.yaml", "--no-progress", "--set", "trainer.max_steps=100000",
+          "--set", "trainer.max_epochs=1000", "--set", "trainer.log_every_n_steps=1"]
+"""`raytrainer train` arguments for a run that trains until it is stopped (a config of
+the repo: run from elsewhere with the repo on PYTHONPATH, as a source checkout is)."""
+
+
+def stop_group_at_a_step(cwd, env: dict, run_dir: Path, *overrides: str, sig=signal.SIGTERM, beside=None,
+                         timeout_s: float = 300.0) -> tuple[int, str]:
+    """`raytrainer train` of LINEAR (with `--set` overrides) from `cwd`, leading a process
+    group of its own as a shell or a scheduler starts a job; once metrics.jsonl in run_dir
+    has rows, `sig` to that whole group (os.killpg: Ctrl-C, `timeout`, a container stop,
+    `scancel`), then `beside()` if given. Its exit status and output."""
+    root = str(Path(__file__).resolve().parents[1])
+    argv = [sys.executable, "-m", "raytrainer", "train", f"{root}/{LINEAR[0]}", *LINEAR[1:]]
+    for item in overrides:
+        argv += ["--set", item]
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        rows = run_dir / "metrics.jsonl"
+        wait_until(lambda: proc.poll() is not None or (rows.exists() and rows.read_text().count("\n") > 2),
+                   "the run's first steps", 240)
+        assert proc.poll() is None, proc.communicate()[0]
+        os.killpg(proc.pid, sig)
+        if beside is not None:
+            beside()
+        out = proc.communicate(timeout=timeout_s)[0]
+        return proc.returncode, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

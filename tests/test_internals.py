@@ -84,6 +84,8 @@ NAMES = [
      "a minimal dashboard agent in the Rays raytrainer starts (driver/_internals.minimal_dashboard_agent)"),
     (RAY, "ray._raylet", "persist_port",
      "writing a minimal agent's ports before its raylet waits for them (driver/_internals.agent_ports_given)"),
+    (RAY, "ray._private.utils", "set_kill_on_parent_death_linux",
+     "a Ray started for the run in process groups of its own (driver/_internals.own_process_groups)"),
     (RAY, "ray._private.utils", "get_ray_address_file",
      "naming the file of a dead `ray start` head in the warning (driver/_internals.bootstrap_address)"),
     (RAY, "ray._private.worker", "print_to_stdstream",
@@ -118,6 +120,19 @@ def test_a_node_ray_starts_still_runs_its_dashboard_agent_minimal_where_ray_defa
     with driver_internals.minimal_dashboard_agent():
         assert type(getattr(utils, name)()) is type(answer()) and getattr(utils, name)() != installed
     assert getattr(utils, name)() == installed
+
+
+def test_a_process_ray_starts_still_dies_with_its_parent_through_the_function_raytrainer_extends():
+    """driver/_internals.own_process_groups extends ray._private.utils.set_kill_on_parent_death_linux,
+    which services.start_ray_process calls, looked up at the call, in the child before it runs
+    the program, where kernel fate-sharing is on."""
+    from ray._private import services
+
+    source = inspect.getsource(services.start_ray_process)
+    assert "ray._private.utils.set_kill_on_parent_death_linux()" in source and "preexec_fn" in source, (
+        f"{RAY}: services.start_ray_process no longer calls utils.set_kill_on_parent_death_linux in the child, "
+        "which raytrainer extends so that a Ray started for a run is not stopped by a signal to the run's process "
+        "group (driver/_internals.own_process_groups)")
 
 
 def test_a_raylet_is_still_started_with_its_agents_ports_where_raytrainer_gives_them():

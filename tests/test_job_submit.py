@@ -116,3 +116,43 @@ def test_a_task_and_a_loop_from_the_submitted_scripts_main_ship_by_value(head, t
         assert "__main__" in (run / "config.yaml").read_text() and (run / "model.pt").is_file()
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert rows[-1]["step"] == 16 and rows[-1]["world_size"] == 2
+
+
+def test_ray_job_stop_stops_the_run_with_a_checkpoint_at_its_step(head, tmp_path):
+    """`ray job stop`: Ray's job supervisor sends SIGTERM to the entrypoint and its children
+    and SIGKILLs them RAY_JOB_STOP_WAIT_TIME_S later (3 s by default, Ray 2.60). The run
+    stops as on any SIGTERM: a checkpoint of the step it reached, committed, and the job
+    STOPPED, not FAILED; its log says how to continue."""
+    run_dir = tmp_path / "stop"
+    submitted = subprocess.run(
+        ["ray", "job", "submit", "--no-wait", "--working-dir", ".", "--submission-id", "rt-stop", "--",
+         "raytrainer", "train", "configs/linear.yaml", "--no-progress", "--set", "scaling.num_workers=1",
+         "--set", "trainer.max_steps=100000", "--set", "trainer.max_epochs=1000",
+         f"--set=run.storage={tmp_path}", "--set=run.name=stop"],
+        cwd=ROOT, env=head, capture_output=True, text=True, timeout=240)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    rows = run_dir / "metrics.jsonl"
+    deadline = Deadline(240)
+    while not (rows.exists() and rows.read_text().count("\n") > 2):
+        assert status(head, "rt-stop") in ("PENDING", "RUNNING"), logs(head, "rt-stop")
+        assert not deadline.passed(), logs(head, "rt-stop")
+        time.sleep(0.5)
+    sent = time.monotonic()
+    stop = subprocess.run(["ray", "job", "stop", "rt-stop"], cwd=ROOT, env=head, capture_output=True, text=True,
+                          timeout=240)
+    print(f"ray job stop: {time.monotonic() - sent:.1f} s")  # a figure for the docs, not a check
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    out = logs(head, "rt-stop")
+    assert status(head, "rt-stop") == "STOPPED", out
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    stopped = [e for e in events if e["event"] == "stopped"]
+    assert stopped and stopped[0]["signal"] == "SIGTERM", out
+    assert stopped[0]["checkpoint_step"] == stopped[0]["step"], out  # not only the last periodic one
+    assert (run_dir / "checkpoints" / stopped[0]["checkpoint"]).is_dir()
+    assert "continue with: raytrainer resume" in out, out
+
+
+def logs(env, job_id):
+    out = subprocess.run(["ray", "job", "logs", job_id], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    return out.stdout + out.stderr

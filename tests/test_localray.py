@@ -17,8 +17,8 @@ import yaml
 
 from raytrainer.driver import localray
 
-from .ray_procs import (free_ports, live_processes, processes_under, short_temp_dir, start_ray_head, token_env,
-                        wait_gone)
+from .ray_procs import (free_ports, live_processes, processes_under, short_temp_dir, start_ray_head,
+                        stop_group_at_a_step, token_env, wait_gone)
 from .tasks import RegressionTask
 from .waits import Deadline, patience, wait_until
 
@@ -286,6 +286,45 @@ def test_down_leaves_a_ray_a_run_is_using_and_stops_it_once_the_run_has_stopped(
     assert run.returncode == 130, out
     down = cli(["down"], tmp_path, kept)
     assert down.returncode == 0 and "stopped the local Ray" in down.stdout, down.stdout + down.stderr
+
+
+def test_a_signal_to_the_runs_whole_process_group_stops_it_with_a_checkpoint_and_the_kept_ray_stays_up(
+        kept, tmp_path):
+    """Ctrl-C in a terminal, `timeout`, a container stop, `scancel`: every process of the run's
+    process group gets the signal. The run stops at a step boundary with a checkpoint there,
+    exits with the signal's status and says how to continue; the kept Ray is no process of
+    that group, whether this run started it or found it in use by another run (then this run
+    started a Ray of its own, which a SIGTERM to the group stopped under the run before)."""
+    assert cli(["down", "--force"], tmp_path, kept).returncode == 0  # none up: the first run starts it
+
+    def stopped(name: str) -> str:
+        run_dir = tmp_path / "runs" / name
+        code, out = stop_group_at_a_step(tmp_path, kept, run_dir, f"run.storage={tmp_path / 'runs'}",
+                                         f"run.name={name}", "scaling.num_workers=1")
+        # Its Ray was not stopped under it (nor waited on 60 s, then exit 1).
+        assert code == 143 and "Failed to connect to GCS" not in out and "Ray's GCS at" not in out, out
+        assert f"continue with: raytrainer resume {run_dir}" in out, out
+        (stop,) = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                   if e["event"] == "stopped"]
+        assert stop["signal"] == "SIGTERM" and stop["checkpoint_step"] == stop["step"], stop
+        assert (run_dir / "checkpoints" / stop["checkpoint"]).is_dir()
+        return out
+
+    assert "started a local Ray, kept for the next runs" in stopped("first")
+    keeper = keeper_of(kept)
+    (folder,) = {p.parent for p in Path(kept["TMPDIR"]).glob("raytrainer-*/keeper.json")}
+    other_run = localray.try_lock(folder / "users.lock")  # another run is using the kept Ray
+    try:
+        assert "started a local Ray" not in stopped("beside")
+    finally:
+        other_run.close()
+
+    # The kept Ray still serves: the next run joins it.
+    joins = cli(["train", str(Path(ROOT) / "configs" / "linear.yaml"), "--no-progress",
+                 "--set", "trainer.max_steps=2", "--set", "scaling.num_workers=1",
+                 "--set", f"run.storage={tmp_path / 'runs'}"], tmp_path, {**kept, "PYTHONPATH": ROOT})
+    assert joins.returncode == 0, joins.stderr[-3000:]
+    assert "started a local Ray" not in joins.stderr and keeper_of(kept)["pid"] == keeper["pid"]
 
 
 def listening(pid: int) -> set[int]:

@@ -21,6 +21,7 @@ from raytrainer.config import CheckpointConfig
 from raytrainer.errors import NonFiniteLoss
 
 from .conftest import assert_no_leaks
+from .ray_procs import live_processes, own_ray_env, stop_group_at_a_step, wait_gone
 from .waits import join, wait_until
 
 
@@ -214,6 +215,32 @@ def test_sigterm_stops_the_same_way_with_exit_status_143(ray_local, tmp_path):
     stopped = [e for e in log(run_dir) if e["event"] == "stopped"]
     assert stopped and stopped[0]["signal"] == "SIGTERM" and stopped[0]["checkpoint_step"] == stopped[0]["step"]
     assert_no_leaks()
+
+
+def test_a_gcs_that_dies_beside_a_stopped_run_does_not_hold_its_exit(tmp_path):
+    """A signal to a whole container or allocation may stop Ray beside the run: once the
+    stop's checkpoint is committed, the driver exits with the signal's status, saying how to
+    continue, without waiting on Ray's dead GCS (60 s, then exit 1: driver/stopexit.py). Here
+    the run's own Ray's GCS is killed as the run's group gets SIGTERM."""
+    env = own_ray_env()  # RAYTRAINER_KEEP_RAY=0 (conftest): a Ray started for this run, in RAY_TMPDIR
+    ray_dir = env["RAY_TMPDIR"].encode()
+
+    def kill_gcs():
+        (gcs,) = [pid for pid, _, cmdline in live_processes()
+                  if ray_dir in cmdline and cmdline.split(b"\0")[0].endswith(b"gcs_server")]
+        os.kill(gcs, signal.SIGKILL)
+
+    run_dir = tmp_path / "runs" / "gone"
+    try:
+        code, out = stop_group_at_a_step(tmp_path, env, run_dir, f"run.storage={tmp_path / 'runs'}", "run.name=gone",
+                                         "scaling.num_workers=2", beside=kill_gcs)
+    finally:
+        wait_gone(env["RAY_TMPDIR"], timeout_s=5)  # what is left of that Ray: its workers wait on its GCS
+    assert code == 143 and "Failed to connect to GCS" not in out, out
+    assert f"continue with: raytrainer resume {run_dir}" in out, out
+    (stopped,) = [e for e in log(run_dir) if e["event"] == "stopped"]
+    assert stopped["signal"] == "SIGTERM" and stopped["checkpoint_step"] == stopped["step"], stopped
+    assert (run_dir / "checkpoints" / stopped["checkpoint"]).is_dir()
 
 
 def test_the_terminal_closing_stops_the_same_way_with_exit_status_129(ray_local, tmp_path):

@@ -43,13 +43,15 @@ def bootstrap_address() -> str | None:
     from ray._private import services
 
     address = services.find_bootstrap_address(None)
-    if address is None or _answers(address):
+    if address is None or answers(address):
         return address
     _warn_stale(address)
     return None
 
 
-def _answers(address: str, timeout_s: float = 2.0) -> bool:
+def answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something listens at `address` (host:port), a GCS's: a connection is
+    accepted within `timeout_s`. A GCS that died refuses at once."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -250,6 +252,38 @@ def patient_node_start(seconds: float = NODE_START_S) -> Iterator[None]:
             yield
     finally:
         services.get_node = get_node
+
+
+@contextlib.contextmanager
+def own_process_groups() -> Iterator[None]:
+    """While it lasts, each process a Ray node started in this process starts (its GCS,
+    raylet, dashboard, monitors; the raylet's agents and workers with the raylet) leads a
+    process group of its own, where it also dies with this process (kernel fate-sharing:
+    ray._private.utils.set_kill_on_parent_death_linux, called by services.start_ray_process
+    in the child before it runs the program, exactly where Ray has it die with its parent).
+
+    A signal to the run's process group (Ctrl-C in a terminal, `timeout`, a container stop,
+    `scancel`, systemd) is meant for the run: the driver stops it at a step boundary with a
+    checkpoint. In that group, a Ray started by ray.init in this process gets it too: a SIGTERM
+    stops its GCS and raylet at once (Ray blocks only SIGINT in them), the workers' calls fail,
+    and the driver waits 60 s on the dead GCS until Ray ends it with status 1. In groups of
+    their own they stop when ray.shutdown stops them, or die with this process if it is killed
+    (as on Windows, where Ray gives them a new process group where they die with their parent).
+    Without fate-sharing (no prctl) they stay in this group: Ray's reaper then stops them
+    by signalling it."""
+    from ray._private import utils
+
+    original = utils.set_kill_on_parent_death_linux
+
+    def dies_with_parent_in_its_own_group() -> None:
+        original()
+        os.setpgid(0, 0)
+
+    utils.set_kill_on_parent_death_linux = dies_with_parent_in_its_own_group
+    try:
+        yield
+    finally:
+        utils.set_kill_on_parent_death_linux = original
 
 
 def _raylet_lives(node_id: str) -> bool:

@@ -21,7 +21,7 @@ from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
 from ..contract import Resume
-from . import identity as identities, localray
+from . import identity as identities, localray, stopexit
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError, Stopped, warn
 from ..task import describe
@@ -54,7 +54,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     """
     import ray
 
-    stem = None
+    stem, source = None, config
     if not isinstance(config, Config):
         config, payload, stem = _by_value(config)
         config = load_config(config, overrides)
@@ -85,6 +85,9 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         connected_here = not ray.is_initialized()
         if connected_here:
             init_ray(address)
+        # A stop's way out does not wait on a GCS that died beside the run (stopexit.py).
+        way_out = stopexit.StopExit(stopexit.gcs_address(), shown,
+                                    str(source) if isinstance(source, (str, Path)) else None)
         try:
             takeover = None
             if lost:  # its workers may wait for a new driver (failure.driver_grace_s)
@@ -97,11 +100,15 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             if identity is not None:
                 _record_identity(storage, name, run_dir, identity)
             return _run(config, storage, run_dir, resume, progress=progress, takeover=takeover,
-                        cluster_can_grow=not localray.started_here(), callbacks=list(callbacks))
+                        cluster_can_grow=not localray.started_here(), callbacks=list(callbacks),
+                        listeners=[way_out.event])
         finally:
-            if connected_here:
-                ray.shutdown()
-                localray.release()  # a kept Ray may serve another run now
+            try:
+                if connected_here:
+                    ray.shutdown()
+                    localray.release()  # a kept Ray may serve another run now
+            finally:
+                way_out.disarm()
 
 
 def release(run_dir: str, *, address: str | None = None) -> str:
@@ -468,7 +475,8 @@ class _UploadLogs(Callback):
 
 
 def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
-         progress: bool, cluster_can_grow: bool, callbacks: list[Any], takeover: Any = None) -> Result:
+         progress: bool, cluster_can_grow: bool, callbacks: list[Any], takeover: Any = None,
+         listeners: Iterable[Any] = ()) -> Result:
     import ray
 
     from .group import RayWorkerGroup
@@ -489,7 +497,7 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
     hub = MetricsHub(sinks, RunInfo(run_dir, config.run.name, config.to_dict(),
                                     resumed=resume is not None or takeover is not None,
                                     states=SinkStates(run_dir)))
-    events.listeners.append(hub.event)
+    events.listeners += [hub.event, *listeners]
     upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
     try:
         # The shared-storage check applies to a local run.storage; remote storage is

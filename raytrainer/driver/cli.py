@@ -78,11 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Stopped as exc:  # a signal: stopped at a step boundary, with a checkpoint there
         print(f"{prefix}: {exc}", file=sys.stderr)
-        if exc.run_dir and os.path.isfile(os.path.join(exc.run_dir, "config.yaml")):
-            print(f"{prefix}: continue with: raytrainer resume {exc.run_dir}", file=sys.stderr)
-        elif exc.run_dir:  # remote storage (run_dir is its URI): the run's name resumes it
-            print(f"{prefix}: continue with: raytrainer train {getattr(args, 'config', 'CONFIG')} --set "
-                  f"run.name={exc.run_dir.rstrip('/').rpartition('/')[2]}", file=sys.stderr)
+        if (command := exc.how_to_continue(getattr(args, "config", None))) is not None:
+            print(f"{prefix}: continue with: {command}", file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt:  # workers and bench contenders are stopped on the way out
         print(f"{prefix}: interrupted", file=sys.stderr)

@@ -211,7 +211,10 @@ def connect(address: str | None = None, **options: Any) -> None:
 def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
     import ray
 
-    with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start():
+    # Its processes outside this process's group: a signal to the run's group is the run's
+    # to stop on, with a checkpoint, not its Ray's (_internals.own_process_groups).
+    with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start(), \
+            _internals.own_process_groups():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
 
