@@ -2,6 +2,7 @@
 `ray start --head` and its job server (the dashboard), as on a cluster."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -150,6 +151,51 @@ def test_ray_job_stop_stops_the_run_with_a_checkpoint_at_its_step(head, tmp_path
     assert stopped[0]["checkpoint_step"] == stopped[0]["step"], out  # not only the last periodic one
     assert (run_dir / "checkpoints" / stopped[0]["checkpoint"]).is_dir()
     assert "continue with: raytrainer resume" in out, out
+
+
+def test_a_job_whose_driver_was_killed_submitted_again_continues_its_run_from_its_workers(head, tmp_path):
+    """A RayJob retry, or `ray job submit` again: the same entrypoint, a new submission. The
+    killed driver's workers wait for it (failure.driver_grace_s); the new job's driver finds
+    the run by its identity (no run.name) and takes them over at their step."""
+    entry = ["raytrainer", "train", "configs/linear.yaml", "--no-progress", "--set", "scaling.num_workers=1",
+             "--set", "trainer.max_steps=3000", "--set", "trainer.max_epochs=1000", f"--set=run.storage={tmp_path}"]
+    first = subprocess.run(["ray", "job", "submit", "--no-wait", "--working-dir", ".", "--submission-id", "rt-retry-1",
+                            "--", *entry], cwd=ROOT, env=head, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    deadline = Deadline(240)
+    while not (runs := [p for p in tmp_path.iterdir() if (p / "metrics.jsonl").exists()]) or \
+            (runs[0] / "metrics.jsonl").read_text().count("\n") < 20:
+        assert status(head, "rt-retry-1") in ("PENDING", "RUNNING"), logs(head, "rt-retry-1")
+        assert not deadline.passed(), logs(head, "rt-retry-1")
+        time.sleep(0.2)
+    (driver,) = [pid for pid in _pids() if _cmdline(pid)[:2] != ["/bin/sh", "-c"]
+                 and "train" in _cmdline(pid) and f"--set=run.storage={tmp_path}" in _cmdline(pid)]
+    os.kill(driver, signal.SIGKILL)  # an OOM kill, a lost pod: no stop of its own
+    deadline = Deadline(60)
+    while status(head, "rt-retry-1") in ("PENDING", "RUNNING"):
+        assert not deadline.passed()
+        time.sleep(0.5)
+
+    again = subprocess.run(["ray", "job", "submit", "--working-dir", ".", "--submission-id", "rt-retry-2", "--",
+                            *entry], cwd=ROOT, env=head, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]  # one run, continued
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    formed = [e for e in events if e["event"] == "group_formed"]
+    assert len(formed) == 2 and formed[-1].get("taken_over"), again.stdout
+    assert f"continuing {run_dir} at step" in again.stdout + again.stderr
+    assert events[-1]["event"] == "finished" and events[-1]["step"] == 3000
+
+
+def _pids():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def logs(env, job_id):
