@@ -299,7 +299,7 @@ def interrupted(rank, step=1):
 def recovering(tmp_path, group, max_failures, restore=None, **settings):
     hub = MetricsHub([JsonlWriter(tmp_path / "metrics.jsonl")])
     events = EventLog(tmp_path / "events.jsonl")
-    failure = FailureConfig(max_failures=max_failures, step_timeout_s=None,
+    failure = FailureConfig(max_failures=max_failures, step_timeout_s=None, max_losses=settings.pop("max_losses", None),
                             recovery=settings.pop("recovery", "fast"),
                             snapshot_every_n_steps=settings.pop("snapshot_every_n_steps", 10))
     settings = ControllerSettings(min_workers=2, poll_interval_s=0, failure=failure, **settings)
@@ -498,15 +498,15 @@ def test_a_failure_while_reforming_is_one_more_counted_failure_and_recovery_star
     assert recovered["failures"] == 2 and recovered["attempts"] == 2 and recovered["state_from"] == "object_store"
 
 
-def test_failures_while_recovering_are_bounded_by_max_failures(tmp_path):
+def test_failures_while_recovering_are_bounded_by_max_losses(tmp_path):
     group = FailingGroup([Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)])],
                          [ReformFailed([died(0)], dead=[0]), ReformFailed([died(1)], dead=[1])])
-    controller, events = recovering(tmp_path, group, max_failures=1)
-    with pytest.raises(FailuresExceeded, match=r"max_failures=1 exceeded: failure 2 .*rank 0 died"):
+    controller, events = recovering(tmp_path, group, max_failures=0, max_losses=1)
+    with pytest.raises(FailuresExceeded, match=r"max_losses=1 exceeded: 2 lost workers' recoveries .*rank 0 died"):
         controller.run()
     events.close()
     log = read(tmp_path / "events.jsonl")
-    assert log[-1]["event"] == "failed" and "raise failure.max_failures" in log[-1]["reason"]
+    assert log[-1]["event"] == "failed" and "raise failure.max_losses" in log[-1]["reason"]
     assert group.calls[-1] == ("shutdown",)
 
 

@@ -282,14 +282,24 @@ def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, 
     assert_no_leaks()
 
 
-def test_max_failures_exceeded_fails_the_run_with_the_reason(ray_local, tmp_path):
+def test_max_losses_exceeded_fails_the_run_with_the_reason(ray_local, tmp_path):
     chaos = [{"action": "kill", "step": 3, "rank": 1}, {"action": "kill", "step": 6, "rank": 1}]
-    with pytest.raises(FailuresExceeded, match=r"failure.max_failures=1 exceeded.*rank 1 died"):
-        raytrainer.train(config(tmp_path, "max", chaos, max_failures=1), progress=False)
+    with pytest.raises(FailuresExceeded, match=r"failure.max_losses=1 exceeded.*rank 1 died"):
+        raytrainer.train(config(tmp_path, "max", chaos, max_failures=0, max_losses=1), progress=False)
     log = [json.loads(line) for line in (tmp_path / "max" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in log if e["event"] in ("worker_failed", "recovered", "failed")] == \
         ["worker_failed", "recovered", "worker_failed", "failed"]
-    assert "raise failure.max_failures" in log[-1]["reason"]
+    assert "raise failure.max_losses" in log[-1]["reason"]
+    assert_no_leaks()
+
+
+def test_lost_workers_do_not_use_up_max_failures(ray_local, tmp_path):
+    """Killed from outside three times with max_failures 0: the cluster's losses, each
+    recovered, counted apart in the events."""
+    chaos = [{"action": "kill", "step": s, "rank": 1} for s in (3, 9, 15)]
+    result = raytrainer.train(config(tmp_path, "losses", chaos, max_failures=0), progress=False)
+    recovered = events(result, "recovered")
+    assert [(e["losses"], e["faults"]) for e in recovered] == [(1, 0), (2, 0), (3, 0)]
     assert_no_leaks()
 
 
@@ -321,16 +331,42 @@ def test_with_no_survivor_the_run_restarts_from_its_checkpoint(ray_local, tmp_pa
 
 # ---------------------------------------------------------------------- the policy alone
 
-def test_policy_counts_failures_and_never_retries_our_own_errors():
-    policy = FailurePolicy(max_failures=2)
+def test_policy_counts_lost_workers_and_faults_apart_and_never_retries_our_own_errors():
     died = [Failure(1, "died", "gone", 3), Failure(0, "interrupted", "peer gone", 3)]
-    assert policy.decide(died).recover and policy.decide(died).recover
-    decision = policy.decide(died)
+    unlimited = FailurePolicy(max_failures=0)
+    assert all(unlimited.decide(died, step).recover for step in range(1, 50))  # a spot node lost 49 times
+    assert (unlimited.losses, unlimited.faults, unlimited.failures) == (49, 0, 49)
+    policy = FailurePolicy(max_failures=0, max_losses=2)
+    assert policy.decide(died, 3).recover and policy.decide(died, 4).recover
+    decision = policy.decide(died, 5)
     assert not decision.recover and isinstance(decision.error, FailuresExceeded)
-    assert "failure.max_failures=2 exceeded" in decision.reason and "rank 1 died" in decision.reason
+    assert "failure.max_losses=2 exceeded" in decision.reason and "rank 1 died" in decision.reason
+    hung = [Failure(1, "hung", "no progress", 3)]
+    policy = FailurePolicy(max_failures=2)
+    assert policy.decide(hung, 3).recover and policy.decide(hung, 4).recover
+    decision = policy.decide(hung, 5)
+    assert not decision.recover and "failure.max_failures=2 exceeded: failure 3 of this run" in decision.reason
     for ours in (ConfigError("bad key"), TaskError("no loss")):
         decision = FailurePolicy(5).decide([Failure(0, "error", f"x: {ours}", 1, error=ours)])
         assert not decision.recover and decision.error is ours
+
+
+def test_policy_counts_faults_in_a_window_and_a_loss_that_recurs_at_one_step_as_a_fault():
+    now = [0.0]
+    policy = FailurePolicy(max_failures=1, window_s=3600, clock=lambda: now[0])
+    hung = [Failure(1, "hung", "no progress", 3)]
+    assert policy.decide(hung, 3).recover
+    now[0] = 3601.0  # an hour later: the first is forgotten
+    assert policy.decide(hung, 900).recover
+    now[0] = 3700.0
+    decision = policy.decide(hung, 950)
+    assert not decision.recover and "failure 2 within failure.failure_window_s=3600" in decision.reason
+    crash = [Failure(0, "died", "the worker process died (SIGSEGV)", None)]
+    policy = FailurePolicy(max_failures=0)
+    assert policy.decide(crash, 7).recover and policy.decide(crash, 7).recover  # two losses at step 7
+    decision = policy.decide(crash, 7)  # a third with no step between: the run's own crash
+    assert not decision.recover and "failure.max_failures=0 exceeded" in decision.reason
+    assert (policy.losses, policy.faults) == (2, 1)
 
 
 def test_policy_retries_a_worker_error_once_per_step_and_type():

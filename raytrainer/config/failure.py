@@ -69,7 +69,16 @@ class ChaosFault:
 @dataclass(kw_only=True)
 class FailureConfig:
     max_failures: int = 3
-    """Recoveries allowed in one run; the next failure fails the run. 0: fail at the first."""
+    """Recoveries from the run's own faults (an error in the task's code, a hang, a worker
+    that keeps dying at the same step) allowed within failure_window_s; the next one fails
+    the run. 0: fail at the first. Lost workers count apart (max_losses)."""
+    failure_window_s: float | None = 3600.0
+    """The window max_failures counts in: faults older than this are forgotten, so a long
+    run is not failed by its age. null: the whole run."""
+    max_losses: int | None = None
+    """Recoveries from lost workers allowed in the run: a worker process killed from outside
+    (SIGKILL, the OOM killer), its node lost or preempted. null: no limit (each costs a
+    fraction of a second; a spot node's loss is the cluster's, not the run's)."""
     step_timeout_s: float | None = 300.0
     """A worker that makes no progress (no micro-batch, no validation batch) for this long
     is hung: its Python stacks are dumped into the run directory and it is replaced.
@@ -131,6 +140,10 @@ class FailureConfig:
                               "(0: no peer snapshots) or auto")
         if self.max_failures < 0:
             raise ConfigError(f"failure.max_failures={self.max_failures} must be >= 0")
+        if self.failure_window_s is not None and self.failure_window_s <= 0:
+            raise ConfigError(f"failure.failure_window_s={self.failure_window_s} must be > 0 (or null: the whole run)")
+        if self.max_losses is not None and self.max_losses < 0:
+            raise ConfigError(f"failure.max_losses={self.max_losses} must be >= 0 (or null: no limit)")
         if self.warm_spares < 0:
             raise ConfigError(f"failure.warm_spares={self.warm_spares} must be >= 0 (0: none)")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:

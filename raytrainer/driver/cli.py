@@ -99,6 +99,11 @@ def _train(args: argparse.Namespace) -> int:
     shown = {k: v for k, v in m.items() if k not in ("step", "epoch", "world_size", "time")}
     print(f"finished {result.run_dir}: step {m.get('step')}, epoch {m.get('epoch', 0) + 1}")
     print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    recovered = [e for e in result.events if e["event"] == "recovered"]
+    if recovered:  # by cause: the cluster's losses, the run's own faults (failure.max_losses, max_failures)
+        last = recovered[-1]
+        print(f"  recovered {len(recovered)} time(s): {last.get('losses', 0)} lost worker(s), "
+              f"{last.get('faults', 0)} fault(s) of the run's own")
     return 0
 
 

@@ -146,7 +146,7 @@ class Controller:
         self.resume = resume  # (step, checkpoint name, where it is) to start from
         self.takeover = takeover  # the workers a lost driver of the run left, for group.adopt
         self.failure = settings.failure
-        self.policy = FailurePolicy(self.failure.max_failures)
+        self.policy = FailurePolicy(self.failure.max_failures, self.failure.failure_window_s, self.failure.max_losses)
         # The newest committed checkpoint (before a step, if given), if any.
         self.restore = restore or (lambda before=None: None)
         self.num_workers = settings.min_workers

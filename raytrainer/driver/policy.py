@@ -8,7 +8,8 @@ hang, whose state the others take, how long to wait for a replacement.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..contract import Failure, Holdings, Status
@@ -29,16 +30,33 @@ class Decision:
 
 
 class FailurePolicy:
-    """Recover up to `max_failures` times; never retry our own errors (a config or task
-    contract error will not go away) nor a worker error that recurs at the same step
-    (deterministic: retrying it would only repeat it)."""
+    """Two budgets, by cause. A loss (every root cause a worker process that died: killed
+    from outside, OOM-killed, its node gone or preempted) is the cluster's: recovered up to
+    `max_losses` times (None: always), so a week-long run on spot nodes is not failed by its
+    fourth node loss. A fault of the run itself (an error in the task's code, a hang) counts
+    against `max_failures` within the last `window_s` seconds (None: the whole run), so a
+    long run is not failed by its age. A loss at a step where the run has lost workers
+    REPEATED_LOSSES times already without a step between is a fault: a crash that recurs
+    there (a segfault, an OOM at one batch) is the run's own. Never retried: our own errors
+    (a config or task contract error will not go away) and a worker error that recurs at the
+    same step (deterministic: retrying it would only repeat it)."""
 
-    def __init__(self, max_failures: int):
-        self.max_failures = max_failures
+    REPEATED_LOSSES = 2
+
+    def __init__(self, max_failures: int, window_s: float | None = None, max_losses: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_failures, self.window_s, self.max_losses = max_failures, window_s, max_losses
+        self.clock = clock
         self.failures = 0
+        """Recoveries decided so far, of both kinds."""
+        self.losses = 0
+        self.faults = 0
+        self._fault_times: list[float] = []
         self._errors: set[tuple[int | None, str]] = set()
+        self._loss_step: tuple[int | None, int] = (None, 0)  # (step, losses at it in a row)
 
-    def decide(self, failures: list[Failure]) -> Decision:
+    def decide(self, failures: list[Failure], step: int | None = None) -> Decision:
+        """Whether to recover from `failures`, met at the run's `step`."""
         causes = root_causes(failures)
         for f in causes:
             if f.kind != "error":
@@ -51,15 +69,35 @@ class FailurePolicy:
                                        "so it is not retried", f.error)
             self._errors.add(key)
         self.failures += 1
-        if self.failures > self.max_failures:
-            last = "; ".join(f"rank {f.rank} {f.kind}: {f.cause}" for f in causes)
-            reason = (f"failure.max_failures={self.max_failures} exceeded: failure {self.failures} "
-                      f"of this run ({last}). Fix the cause, or raise failure.max_failures")
+        last = "; ".join(f"rank {f.rank} {f.kind}: {f.cause}" for f in causes)
+        if causes and all(f.kind == "died" for f in causes) and not self._repeated_loss(step):
+            self.losses += 1
+            if self.max_losses is not None and self.losses > self.max_losses:
+                reason = (f"failure.max_losses={self.max_losses} exceeded: {self.losses} lost workers' recoveries "
+                          f"({last}). Fix what kills them, raise failure.max_losses, or leave it null (no limit)")
+                return Decision(False, reason, FailuresExceeded(reason))
+            return Decision(True, "; ".join(f"rank {f.rank} {f.kind}" for f in causes))
+        self.faults += 1
+        now = self.clock()
+        self._fault_times.append(now)
+        if self.window_s is not None:
+            self._fault_times = [t for t in self._fault_times if now - t <= self.window_s]
+        if len(self._fault_times) > self.max_failures:
+            within = f"within failure.failure_window_s={self.window_s:g}" if self.window_s is not None else "of this run"
+            reason = (f"failure.max_failures={self.max_failures} exceeded: failure {len(self._fault_times)} {within} "
+                      f"({last}). Fix the cause, or raise failure.max_failures")
             # A worker's own error is what the user must see (rank, traceback); the reason
             # is in the event log.
             error = next((f.error for f in causes if isinstance(f.error, WorkerError)), None)
             return Decision(False, reason, error or FailuresExceeded(reason))
         return Decision(True, "; ".join(f"rank {f.rank} {f.kind}" for f in causes))
+
+    def _repeated_loss(self, step: int | None) -> bool:
+        """Whether a loss at `step` follows REPEATED_LOSSES others at the same step."""
+        at, count = self._loss_step
+        count = count + 1 if step is not None and step == at else 1
+        self._loss_step = (step, count)
+        return count > self.REPEATED_LOSSES
 
 
 # A worker whose working thread ran, or waited for a core, for at least this share of the

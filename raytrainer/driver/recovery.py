@@ -51,7 +51,7 @@ class Recovery:
         while True:
             attempts += 1
             self._log_failures(failures)
-            decision = ctl.policy.decide(failures)
+            decision = ctl.policy.decide(failures, ctl.step)
             if not decision.recover:
                 ctl._gave_up = decision.reason
                 raise decision.error or RaytrainerError(decision.reason)
@@ -74,7 +74,8 @@ class Recovery:
             how["dropped"] = reformed.dropped
         seconds = round(time.monotonic() - t0, 3)
         ctl.events.log("recovered", step=ctl.step, seconds=seconds, steps_lost=max(0, ahead - ctl.step),
-                       failures=ctl.policy.failures, attempts=attempts, cause=decision.reason, **how)
+                       failures=ctl.policy.failures, losses=ctl.policy.losses,
+                       faults=ctl.policy.faults, attempts=attempts, cause=decision.reason, **how)
         if ctl.world != old_world and reformed is not None:
             ctl.resizing.log_resize(old_world, ctl.world, reformed, seconds, f"failure: {decision.reason}")
             ctl.resizing.regrowing += len(reformed.dropped)
