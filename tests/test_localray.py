@@ -428,3 +428,32 @@ def test_status_says_what_is_kept_and_down_stops_every_kept_ray(kept, tmp_path):
     while processes_under(kept["TMPDIR"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not processes_under(kept["TMPDIR"])
+
+
+def test_a_kept_ray_whose_gcs_is_gone_is_not_joined_and_a_new_one_is_started(kept, tmp_path):
+    """`ray stop` ends every Ray process on the machine, the kept Ray's GCS included, while
+    its keeper (a driver of it) lives on until Ray ends it a minute later: a run in that
+    minute joined the dead address and waited for good."""
+    a = project(tmp_path / "a", 1)
+    first = cli(["train", "run.yaml", "--set", "run.name=one", "--no-progress"], a, kept)
+    assert first.returncode == 0, first.stderr[-3000:]
+    keeper = keeper_of(kept)
+    (gcs,) = [pid for pid, _, cmd in live_processes() if b"gcs_server" in cmd and kept["TMPDIR"].encode() in cmd]
+    os.kill(gcs, signal.SIGKILL)
+    second = cli(["train", "run.yaml", "--set", "run.name=two", "--no-progress"], a, kept)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"the local Ray kept at {keeper['address']} no longer answers" in second.stderr
+    assert keeper_of(kept)["pid"] != keeper["pid"] and "Failed to get cluster ID" not in second.stderr
+
+
+def test_an_address_where_no_ray_answers_is_an_error_that_names_it_and_where_it_came_from(monkeypatch):
+    from raytrainer.errors import RaytrainerError
+
+    (port,) = free_ports(1)
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setattr(localray, "ANSWER_TIMEOUT_S", 1.0)
+    with pytest.raises(RaytrainerError, match=rf"no Ray answers at 127.0.0.1:{port} \(from RAY_ADDRESS\).*"
+                                              "unset RAY_ADDRESS"):
+        localray.connect()
+    with pytest.raises(RaytrainerError, match=r"\(from --address\).*leave --address out"):
+        localray.connect(f"127.0.0.1:{port}")

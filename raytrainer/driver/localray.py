@@ -180,7 +180,10 @@ def connect(address: str | None = None, **options: Any) -> None:
 
     global _started_here, connected
     connected = None
+    given = "--address" if address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else None
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        _wait_for(address, given)
     joins = None if address else _internals.bootstrap_address()  # a live `ray start` head, which ray.init joins
     if address is None and joins is None and not options and keep_minutes() > 0:
         held = _hold_kept()
@@ -206,6 +209,29 @@ def connect(address: str | None = None, **options: Any) -> None:
             return
     # "local": what None means with no live head, but never a dead head's recorded address.
     _start_for_this_run(address if address or joins else "local", options)
+
+
+ANSWER_TIMEOUT_S = 30.0
+"""How long a Ray named by --address or RAY_ADDRESS gets to answer (a head still starting)."""
+
+
+def _wait_for(address: str, given: str | None) -> None:
+    """A Ray's GCS named by `given` (host:port) answers, or a RaytrainerError that says so:
+    ray.init would wait on it for good ("Failed to get cluster ID from GCS", every 30 s).
+    Ray Client (ray://), a dashboard's http(s):// and "auto"/"local" are Ray's to resolve."""
+    if "://" in address or ":" not in address:
+        return
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while not _internals.answers(address):
+        if time.monotonic() > deadline:
+            from ..errors import RaytrainerError
+
+            fix = ("unset RAY_ADDRESS to train on a local Ray" if given == "RAY_ADDRESS"
+                   else "leave --address out to train on a local Ray")
+            raise RaytrainerError(
+                f"no Ray answers at {address} (from {given}) after {ANSWER_TIMEOUT_S:g} s: start it (`ray start "
+                f"--head` on that machine), fix the address (the head's GCS, host:port), or {fix}")
+        time.sleep(0.5)
 
 
 def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
@@ -247,6 +273,14 @@ def _hold_kept() -> _Hold | None:
     if lock is None:
         return None
     info = _keeper(folder)
+    if info is not None and not _internals.answers(info["address"]):
+        # Its Ray is gone (`ray stop` ends every Ray process on the machine; its keeper, a
+        # driver of it, lives on until Ray ends it a minute later): never joined, which would
+        # wait on the dead address for good. A new one is started in its place.
+        print(f"raytrainer: the local Ray kept at {info['address']} no longer answers (`ray stop`?); "
+              "starting a new one", file=sys.stderr)
+        _stop_keeper(folder, info, timeout_s=5.0)
+        info = None
     started = info is None
     if started:
         info = _start_keeper(folder, keep_minutes())
