@@ -8,8 +8,9 @@ identifies it (`identity.json`), and the next command with the same identity con
 newest such run that did not finish. The identity is the scheduler's own where there is
 one (a SLURM job and array task keep their id through a requeue; `RAYTRAINER_RUN_ID` for
 any other, e.g. a RayJob's name set in its manifest), together with the resolved config
-but for `run.name` and `run.resume`: two different configs never share a run, and a new
-SLURM job of the same script is a new run.
+but for `run.name` and `run.resume` (a relative `run.storage` resolved against the launch
+directory): two different configs never share a run, and a new SLURM job of the same
+script is a new run.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def of(config: Config, environ: Mapping[str, str] = os.environ) -> Identity:
     """The identity of a run of `config` started in this environment."""
     scheduler = scheduler_id(environ)
     settings = config.to_dict()
+    # Not the directory it runs from: a relative run.storage carries it already, and a job
+    # whose --working-dir Ray unpacks under its session's directory runs from another one
+    # on every cluster (a RayJob's retry).
     settings["run"] = {k: v for k, v in settings["run"].items() if k not in ("name", "resume")}
-    settings["run"]["cwd"] = config.run.cwd  # a task's import path is relative to it
     text = json.dumps([scheduler, settings], sort_keys=True, default=str)
     source = f"{scheduler} and the config" if scheduler else "the config"
     return Identity(hashlib.sha256(text.encode()).hexdigest()[:24], source)
