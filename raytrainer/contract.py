@@ -327,6 +327,8 @@ class Orphan:
     placement_group: str | None = None
     """The hex id of the placement group it runs in, if any (a pinned CPU worker runs beside
     its slot's group, not in it)."""
+    where: str = ""
+    """Its run directory (storage/name), for the messages that name it."""
 
 
 WORKER_ACTOR = "raytrainer.worker.actor:Worker"

@@ -21,7 +21,9 @@ Linux only (/proc); elsewhere a run records no CPU figures.
 
 from __future__ import annotations
 
+
 import os
+import re
 import statistics
 import threading
 import time
@@ -225,7 +227,7 @@ def roles_of(procs: dict[int, dict[str, Any]], training_pids: set[int] | None = 
         # A title its parent has too was read between fork and exec (a Ray worker the
         # raylet is starting): it says nothing of this process.
         parent = procs.get(proc["ppid"])
-        titles = [t for t in proc["titles"] if parent is None or t not in parent["titles"]]
+        titles = [_unnamed(t) for t in proc["titles"] if parent is None or t not in parent["titles"]]
         # Its latest title says most: a Ray worker process is `ray::IDLE` until it hosts an actor.
         named = [r for r in map(role, reversed(titles)) if r is not None]
         found = next((r for r in named if r != "idle Ray workers"), named[0] if named else None)
@@ -253,6 +255,12 @@ def roles_of(procs: dict[int, dict[str, Any]], training_pids: set[int] | None = 
         return found or "other"
 
     return {pid: resolve(pid) for pid in procs}
+
+
+def _unnamed(title: str) -> str:
+    """A Ray worker's title without its actor's name: raytrainer's workers are named
+    (`ray::raytrainer-<hex>:Worker.run`, contract.NAMESPACE) so that a new driver finds them."""
+    return re.sub(r"^ray::raytrainer-[0-9a-f]+:", "ray::", title)
 
 
 def _trains(title: str) -> bool:

@@ -247,7 +247,8 @@ class Worker:
                       total_steps=loop.total_steps if loop else None,
                       steps_per_epoch=loop.steps_per_epoch if loop else None,
                       node=self.node() if loop else None,
-                      placement_group=ray.get_runtime_context().get_placement_group_id())
+                      placement_group=ray.get_runtime_context().get_placement_group_id(),
+                      where=f"{run.storage.rstrip('/')}/{run.name}")
 
     def adopt(self, job_id: str) -> bool:
         """Taken over by the driver of Ray job `job_id` (orphan.py)."""

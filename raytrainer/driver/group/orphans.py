@@ -50,6 +50,17 @@ class Takeover:
 def of_run(storage: str, name: str) -> list[tuple[Any, Orphan]]:
     """The worker actors of run `name` in `storage`, with what each holds."""
     key = run_key(storage, name)
+    return [(h, o) for h, o in _named() if o.run == key]
+
+
+def waiting() -> list[str]:
+    """The run directories whose workers wait for a new driver (their resources held until
+    failure.driver_grace_s ends), for a message that says why the cluster lacks room."""
+    return sorted({o.where for _, o in _named() if o.orphaned and o.where})
+
+
+def _named() -> list[tuple[Any, Orphan]]:
+    """Every raytrainer worker actor (named in NAMESPACE) that answers, with what it holds."""
     handles = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") != NAMESPACE:
@@ -59,7 +70,7 @@ def of_run(storage: str, name: str) -> list[tuple[Any, Orphan]]:
         except ValueError:  # ended meanwhile
             continue
     answers = ask_refs([control(h, "orphan").remote() for h in handles], ASK_S)
-    return [(h, o) for h, o in zip(handles, answers) if o is not None and o.run == key]
+    return [(h, o) for h, o in zip(handles, answers) if o is not None]
 
 
 def find(config: Config, shown: str) -> Takeover | None:

@@ -39,6 +39,7 @@ from ...errors import PlacementError
 from .._internals import single_slot_on
 from ..policy import keep_waiting_for_placement
 from .actors import Roster, Slot, kept_for_a_new_driver, resources_text, start_worker
+from .orphans import waiting
 
 Joiner = tuple[Slot, Any, Any]
 """A worker started in a free slot: (its slot, its actor, its node() call)."""
@@ -91,11 +92,15 @@ class Slots:
         refs = [pg.ready() for pg in pgs]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, t0 + timeout - time.monotonic()))
         if len(ready) < len(refs):
+            held = waiting()
             raise PlacementError(
                 f"could not place {scaling.min_workers} workers of {self.bundle} each "
                 f"({scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
                 f"{resources_text()}. Lower scaling.num_workers (or min_workers) or "
                 "scaling.resources_per_worker, or add nodes"
+                + (f". The workers of {', '.join(held)}, whose driver was lost, hold resources for a new driver "
+                   "until failure.driver_grace_s ends: rerun that run's command to continue it, or `raytrainer "
+                   "release RUN_DIR` to free them now" if held else "")
             )
 
     def single(self) -> Slot:
