@@ -21,7 +21,6 @@ Linux only (/proc); elsewhere a run records no CPU figures.
 
 from __future__ import annotations
 
-
 import os
 import re
 import statistics
