@@ -19,34 +19,9 @@ from raytrainer.config import load_config, resolve_paths
 from raytrainer.driver import identity
 
 from .conftest import assert_no_leaks
+from .test_stops import USER_TASK
 from .waits import Deadline
 
-TASK = '''
-import time
-import torch
-from torch.utils.data import TensorDataset
-from raytrainer import Task
-
-
-class RerunTask(Task):
-    def __init__(self, sleep_s=0.02):
-        self.sleep_s = sleep_s
-
-    def build_model(self):
-        return torch.nn.Linear(4, 1)
-
-    def build_optimizer(self, model):
-        return torch.optim.Adam(model.parameters(), lr=0.01)
-
-    def train_dataset(self):
-        x = torch.randn(512, 4, generator=torch.Generator().manual_seed(0))
-        return TensorDataset(x, x.sum(1, keepdim=True))
-
-    def train_step(self, model, batch):
-        x, y = batch
-        time.sleep(self.sleep_s)
-        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
-'''
 
 STEPS = 150
 
@@ -54,9 +29,9 @@ STEPS = 150
 def user_dir(path, max_steps=STEPS):
     """A user's directory: their task and a config with no run.name and a relative storage."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "rerun_task.py").write_text(TASK)
+    (path / "usertask.py").write_text(USER_TASK)
     (path / "run.yaml").write_text(
-        "task: {target: rerun_task:RerunTask}\n"
+        "task: {target: usertask:SlowTask, args: {sleep_s: 0.02}}\n"
         f"trainer: {{max_steps: {max_steps}, global_batch_size: 32}}\n"
         "scaling: {num_workers: 2}\ncheckpoint: {every_n_steps: 10}\nrun: {storage: runs}\n")
     return path
