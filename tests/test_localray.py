@@ -457,3 +457,18 @@ def test_an_address_where_no_ray_answers_is_an_error_that_names_it_and_where_it_
         localray.connect()
     with pytest.raises(RaytrainerError, match=r"\(from --address\).*leave --address out"):
         localray.connect(f"127.0.0.1:{port}")
+
+
+def test_the_processes_a_finished_run_kept_end_with_its_driver(kept, tmp_path):
+    """A finished run keeps its workers' processes for the next run of its Python process
+    (kept.py); they are detached actors (failure.driver_grace_s), so Ray does not end them
+    with their driver: they end themselves once its job is gone, holding no state."""
+    a = project(tmp_path / "a", 1)
+    done = cli(["train", "run.yaml", "--set", "run.name=one", "--no-progress"], a, kept)
+    assert done.returncode == 0, done.stderr[-3000:]
+    raylet = {pid for pid, _, cmd in live_processes() if kept["TMPDIR"].encode() in cmd and b"/raylet/raylet" in cmd}
+
+    def workers():
+        return [pid for pid, ppid, cmd in live_processes() if ppid in raylet and b":Worker" in cmd]
+
+    wait_until(lambda: not workers(), "the kept processes of a driver gone ended", timeout_s=30.0)

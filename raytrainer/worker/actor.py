@@ -254,6 +254,10 @@ class Worker:
         """Taken over by the driver of Ray job `job_id` (orphan.py)."""
         return self._driver is not None and self._driver.adopt(job_id)
 
+    def holds_state(self) -> bool:
+        """Whether this worker holds a training state, for a new driver to take over (orphan.py)."""
+        return self.__dict__.get("loop") is not None
+
     def placement_group_prefix(self) -> str | None:
         """Its run's placement groups are named with this (orphan.py); None where this process
         holds nothing of a run (released for the next)."""

@@ -6,8 +6,8 @@ watches its driver's Ray job; once the job is dead it asks its loop to pause at 
 step boundary the ranks agree on (the same pause a resize uses: every rank sees the flag
 in the step's reduction), keeps the state in memory, and waits for a new driver of the run
 to take it over (`adopt`). When none comes within the grace, it removes the run's placement
-groups and ends its process. A process that holds nothing of a run (kept for another run,
-released) ends at once.
+groups and ends its process. A process that holds no training state (kept for the next run,
+a warm spare, one still in setup) ends at once, and leaves the groups to the holders.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from typing import Protocol
 
 class Watched(Protocol):
     def request_pause(self) -> None: ...
+    def holds_state(self) -> bool:
+        """Whether it holds a training state (a loop): what a new driver takes over."""
+        ...
     def placement_group_prefix(self) -> str | None:
         """The names of its run's placement groups start with this; None where the process
         holds nothing of a run."""
@@ -58,18 +61,34 @@ class DriverWatch:
                 if _internals.job_alive(self.job_id) is False:
                     with self._lock:
                         self.lost_at = time.monotonic()
-                    self.worker.request_pause()
+                    if self._holding():
+                        self.worker.request_pause()
                 continue
-            prefix = self.worker.placement_group_prefix()
+            prefix, holding = self._prefix(), self._holding()
             with self._lock:
                 if self.lost_at is None:  # adopted meanwhile
                     continue
                 over = time.monotonic() - self.lost_at > self.grace_s
-            if prefix is None:  # nothing of a run here (a process kept for the next run)
+            # Nothing a new driver would take (a process kept for the next run, a spare, one
+            # still in setup): it ends now, and leaves the run's groups to the holders, which
+            # a new driver may be taking over.
+            if prefix is None or not holding:
                 os._exit(0)
             if over:
                 _internals.remove_placement_groups(prefix)
                 os._exit(0)
+
+    def _holding(self) -> bool:
+        try:
+            return self.worker.holds_state()
+        except Exception:  # noqa: BLE001 - a process released for the next run has no state left
+            return False
+
+    def _prefix(self) -> str | None:
+        try:
+            return self.worker.placement_group_prefix()
+        except Exception:  # noqa: BLE001 - likewise
+            return None
 
 
 _WATCH: DriverWatch | None = None
