@@ -107,6 +107,9 @@ def test_the_same_command_after_its_driver_was_killed_takes_over_its_workers_and
         reference, tmp_path):
     path = user_dir(tmp_path / "user")
     run_dir, killed_at, pids = start_and_kill_driver(path, 40)
+    # run.resume never on that directory: an error, and the workers are left to their run.
+    never = run(path, "--set", f"run.name={run_dir.name}", "--set", "run.resume=never")
+    assert never.returncode == 2 and "already holds a run and run.resume=never" in never.stderr, never.stderr
 
     done = run(path)
     assert done.returncode == 0, done.stderr

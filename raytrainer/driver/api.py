@@ -80,7 +80,9 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     lock, shown = _lock_of(storage, name)
     with _held(lock, shown):
         run_dir = lock.parent if storage.local else _local_mirror(storage, name)
-        lost = _driver_lost(run_dir)
+        # Its workers may wait for a new driver (failure.driver_grace_s), taken over where the run
+        # continues from where it is (auto), never where it must start afresh or from a given checkpoint.
+        lost = config.run.resume == "auto" and _driver_lost(run_dir)
         resume = None if lost else _find_resume(config, storage, run_dir)
         connected_here = not ray.is_initialized()
         if connected_here:
@@ -90,7 +92,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
                                     str(source) if isinstance(source, (str, Path)) else None)
         try:
             takeover = None
-            if lost:  # its workers may wait for a new driver (failure.driver_grace_s)
+            if lost:
                 from .group import orphans
 
                 takeover = orphans.find(config, shown)
@@ -228,7 +230,7 @@ def _continued(config: Config, storage: Storage, stem: str, identity: identities
     previous = identities.find(storage, stem, identity)
     if previous is None:
         return None
-    shown = _lock_of(storage, previous.name)[1]
+    lock, shown = _lock_of(storage, previous.name)
     if previous.ended == "finished":
         _say(f"the last run of this config, {shown}, {previous.how}: starting a new run")
         return None
@@ -236,7 +238,6 @@ def _continued(config: Config, storage: Storage, stem: str, identity: identities
         _say(f"the last run of this config, {shown}, {previous.how}, with no checkpoint to continue from: "
              "starting a new run")
         return None
-    lock = _lock_of(storage, previous.name)[0]
     with contextlib.suppress(ImportError, OSError):
         held = localray.try_lock(lock)
         if held is None:
