@@ -76,13 +76,21 @@ def test_bad_values_name_the_key(overrides, words):
         assert word in str(info.value)
 
 
-def test_worker_count_bounds_default_to_num_workers():
+def test_worker_count_bounds_default_to_num_workers_and_one():
+    # A Task with a fixed global batch trains the same maths at any size: it goes on with
+    # one worker rather than fail for want of room, and grows back to num_workers.
     fixed = load_config(BASE).scaling
-    assert (fixed.min_workers, fixed.max_workers) == (2, 2)
+    assert (fixed.min_workers, fixed.size, fixed.max_workers) == (1, 2, 2)
     grows = load_config(BASE, ["scaling.max_workers=3"]).scaling
-    assert (grows.min_workers, grows.max_workers) == (2, 3)
-    shrinks = load_config(BASE, ["scaling.min_workers=1"]).scaling
-    assert (shrinks.min_workers, shrinks.max_workers) == (1, 2)
+    assert (grows.min_workers, grows.size, grows.max_workers) == (1, 2, 3)
+    floor = load_config(BASE, ["scaling.min_workers=2"]).scaling
+    assert (floor.min_workers, floor.size, floor.max_workers) == (2, 2, 2)
+    # Where a smaller world would train a smaller global batch, the run keeps its size.
+    per_worker = load_config(BASE, ["trainer.batch_policy=per_worker"]).scaling
+    assert (per_worker.min_workers, per_worker.size) == (2, 2)
+    # An elastic config that names its bounds only starts at min_workers.
+    bounded = load_config(BASE, ["scaling.num_workers=1", "scaling.min_workers=2", "scaling.max_workers=4"]).scaling
+    assert (bounded.min_workers, bounded.size, bounded.max_workers) == (2, 2, 4)
     # Any split of the batch is valid now: 33 over 2 workers, micro-batches of 5.
     assert load_config(BASE, ["trainer.global_batch_size=33", "trainer.micro_batch_size=5"])
     # per_worker keeps each worker's batch of 1: the global batch grows with the workers.
@@ -96,7 +104,10 @@ def test_num_workers_set_alone_resizes_a_resolved_fixed_size_config():
     raw = yaml.safe_load(resolved)
     assert load_config(raw, ["scaling.num_workers=1"]).scaling.max_workers == 1
     both = load_config(raw, ["scaling.num_workers=3", "scaling.max_workers=4"]).scaling
-    assert (both.min_workers, both.max_workers) == (2, 4)  # bounds given with it stand
+    assert (both.min_workers, both.size, both.max_workers) == (1, 3, 4)  # bounds given with it stand
+    kept = yaml.safe_load(dump_config(load_config(BASE, ["trainer.batch_policy=per_worker"])))
+    assert kept["scaling"]["min_workers"] == 2  # resolved to its size, and following it
+    assert load_config(kept, ["scaling.num_workers=4"]).scaling.min_workers == 4
     elastic = load_config(BASE, ["scaling.max_workers=3"]).to_dict()
     with pytest.raises(ConfigError, match="elastic .*scaling.max_workers=3.*set scaling.min_workers"):
         load_config(elastic, ["scaling.num_workers=1"])

@@ -236,6 +236,39 @@ def test_room_to_grow_pauses_the_workers_and_reforms_the_group(tmp_path):
     assert controller.world == 3
 
 
+def test_a_run_short_of_room_for_its_size_says_it_waits_and_grows_back(tmp_path, monkeypatch):
+    """Started on 2 of its 3 workers (the cluster placed no more): once no room has come
+    for UNPLACED_AFTER_S the run says so (event, console line, progress line), trains on,
+    and the resize that restores its size says how long it waited."""
+    import io
+
+    from raytrainer.driver.metrics import ProgressBar
+    from raytrainer.driver.resizing import Resizing
+
+    monkeypatch.setattr(Resizing, "UNPLACED_AFTER_S", 0.0)
+    paused = RunEnd("paused", 3, time=0.0)
+    group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(rows(3)), Poll(paused={0: paused}),
+                          Poll(paused={1: paused}), Poll(rows(4), done=True, result=WEIGHTS)])
+    group.room = [0, 0, 1]  # no room at the first two looks
+    stream = io.StringIO()
+    progress = ProgressBar(stream=stream, interval_s=0)
+    hub = MetricsHub([progress])
+    events = EventLog(tmp_path / "events.jsonl")
+    events.listeners.append(hub.event)
+    settings = ControllerSettings(min_workers=1, size=3, max_workers=3, poll_interval_s=0, grow_check_s=0)
+    controller = Controller(group, settings, Records(hub=hub, events=events, progress=progress))
+    assert controller.run() == WEIGHTS
+    events.close()
+    log = read(tmp_path / "events.jsonl")
+    assert (log[0]["num_workers"], log[0]["min_workers"]) == (3, 1)
+    waits = [e for e in log if e["event"] == "waiting_for_capacity"]
+    assert len(waits) == 1 and (waits[0]["world_size"], waits[0]["size"], waits[0]["missing"]) == (2, 3, 1)
+    resize = next(e for e in log if e["event"] == "resized")
+    assert resize["new_world_size"] == 3 and resize["capacity_waited_s"] >= 0
+    shown = stream.getvalue()
+    assert "no room for 1 more worker(s)" in shown and "workers 2/3, waiting for room" in shown, shown
+
+
 def test_a_fixed_size_run_never_looks_for_room(tmp_path):
     group = GrowingGroup([Poll(rows(1)), Poll(rows(2)), Poll(rows(3), done=True, result=WEIGHTS)])
     controller, _, events = make(tmp_path, group)

@@ -1,7 +1,8 @@
 """Elastic runs on a local multi-node Ray (one raylet per 1-CPU node, on this machine):
 the group grows when a node joins, shrinks without a checkpoint when one is lost,
 sees every sample of each epoch exactly once, and ends with the weights of an
-undisturbed run; below min_workers it fails after a bounded wait."""
+undisturbed run; a run short of room for its size trains on and grows back to it; below
+min_workers it fails after a bounded wait."""
 
 import json
 import threading
@@ -280,10 +281,55 @@ def test_per_worker_policy_grows_the_batch_and_the_lr_and_keeps_the_data_positio
     assert_no_leaks()
 
 
+def test_a_fixed_size_run_short_of_room_trains_on_and_grows_back_to_its_size(cluster, tmp_path):
+    """num_workers 3 on two 1-CPU nodes: after placement_timeout_s the run starts on 2 and
+    says it waits for room; a node comes, it grows to 3; that node goes, it goes on at 2
+    (one loss, no failure counted) past placement_timeout_s, and grows back on the next."""
+    cfg, slow, record = growable(tmp_path, "fixed")
+    cfg["scaling"] = {"num_workers": 3, "placement_timeout_s": 3, "replace_timeout_s": 2}
+    thread, out = in_background(cfg)
+    run_dir = tmp_path / "fixed"
+    wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
+    waits = lambda: [e for e in read_events(run_dir) if e["event"] == "waiting_for_capacity"]  # noqa: E731
+    first = wait_for(waits, 60, "the run to say it waits for room", thread)[0]
+    assert (first["world_size"], first["size"], first["missing"], first["min_workers"]) == (2, 3, 1, 1)
+
+    node = cluster.add_node(num_cpus=1)
+    grow = wait_for(lambda: resized(run_dir), 60, "the group to grow", thread)[0]
+    assert (grow["old_world_size"], grow["new_world_size"]) == (2, 3) and grow["capacity_waited_s"] > 0
+    wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers", thread)
+    cluster.remove_node(node)
+    wait_for(lambda: len(waits()) == 2, 60, "the run to wait for room again", thread)
+    steps = len(worlds(run_dir))
+    wait_for(lambda: len(worlds(run_dir)) > steps + 30, 60, "more steps at 2 workers", thread)
+    assert thread.is_alive() and worlds(run_dir)[-1] == 2  # well past placement_timeout_s
+
+    cluster.add_node(num_cpus=1)
+    back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back", thread)[0]
+    assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
+    slow.unlink()
+    join(thread, 120)
+    assert "error" not in out, out.get("error")
+    events = read_events(run_dir)
+    assert events[0]["num_workers"] == 3 and events[0]["min_workers"] == 1
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert len(recovered) == 1 and (recovered[0]["losses"], recovered[0]["faults"]) == (1, 0)
+    assert recovered[0]["steps_lost"] == 0 and events[-1]["event"] == "finished"
+    sizes = worlds(run_dir)
+    assert [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w] == [2, 3, 2, 3]
+    steps = [r["step"] for r in rows(run_dir) if "loss" in r]
+    assert len(set(steps)) == len(steps) >= STEPS - 1
+    assert_every_sample_once(record)
+    assert_no_leaks()
+    for extra in list(cluster.worker_nodes)[2:]:  # as the module's other tests expect: two nodes
+        cluster.remove_node(extra)
+
+
 def test_below_min_workers_fails_after_a_bounded_wait(cluster, tmp_path):
     slow = tmp_path / "slow"
     slow.touch()
-    cfg = config(tmp_path, "short", {"placement_timeout_s": 3}, sleep_s=0.05, slow_while=str(slow))
+    cfg = config(tmp_path, "short", {"min_workers": 2, "placement_timeout_s": 3}, sleep_s=0.05,
+                 slow_while=str(slow))
     thread, out = in_background(cfg)
     try:
         wait_for(lambda: worlds(tmp_path / "short"), 60, "the first steps")

@@ -492,11 +492,11 @@ def test_a_spare_starts_cold_only_where_the_run_lasts_for_it_to_be_up_as_long_ag
     assert spares.worth_a_cold_start(10.5) and not spares.worth_a_cold_start(9.5)
 
 
-def test_replacements_are_awaited_up_to_replace_timeout_while_min_workers_hold():
+def test_replacements_are_awaited_up_to_replace_timeout_while_the_run_keeps_its_size():
     wait = lambda waited, placed, others: keep_waiting_for_placement(  # noqa: E731
-        waited, placed, others, min_workers=2, replace_timeout_s=10, placement_timeout_s=60)
-    assert wait(5, 0, 2) and not wait(11, 0, 2)  # enough others: give up after replace_timeout_s
-    assert wait(30, 0, 1) and wait(30, 0, 0) and not wait(30, 1, 1)  # below min_workers: keep waiting
+        waited, placed, others, size=2, replace_timeout_s=10, placement_timeout_s=60)
+    assert wait(5, 0, 2) and not wait(11, 0, 2)  # its size without them: give up after replace_timeout_s
+    assert wait(30, 0, 1) and wait(30, 0, 0) and not wait(30, 1, 1)  # below its size: keep waiting
     assert not wait(61, 0, 0)  # ... up to placement_timeout_s
 
 

@@ -168,8 +168,9 @@ def test_workers_no_driver_takes_over_end_after_the_grace_and_release_ends_them_
     run_dir, _, pids = start_and_kill_driver(other, 5)  # the default grace: minutes
     time.sleep(2)
     assert all(alive(pid) for pid in pids)
-    # Another run finds no room (the tests' Ray has 4 CPUs; they hold 2): its error says who holds it.
-    crowded = run(user_dir(tmp_path / "third"), "--set", "scaling.num_workers=3",
+    # Another run that needs 3 finds no room (the tests' Ray has 4 CPUs; they hold 2): its error
+    # says who holds it.
+    crowded = run(user_dir(tmp_path / "third"), "--set", "scaling.num_workers=3", "--set", "scaling.min_workers=3",
                   "--set", "scaling.placement_timeout_s=3")
     assert crowded.returncode == 1 and f"The workers of {run_dir}, whose driver was lost" in crowded.stderr, \
         crowded.stderr

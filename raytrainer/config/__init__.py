@@ -60,6 +60,7 @@ class Config:
             if not self.task.is_loop:
                 raise ConfigError("missing required key 'trainer'")
             self.trainer = TrainerConfig()
+        self.scaling.settle(global_batch_fixed=self.trainer.batch_policy == "fixed_global" and not self.task.is_loop)
         if self.task.is_loop:
             _check_loop_config(self)
         elif self.trainer.max_epochs is None and self.trainer.max_steps is None:
@@ -171,7 +172,8 @@ def _num_workers_sets_the_size(raw: dict[str, Any], overrides: list[str]) -> Non
         return
     size = scaling.get("num_workers", 1)
     bounds = {k: scaling[k] for k in ("min_workers", "max_workers") if scaling.get(k) is not None}
-    if any(v != size for v in bounds.values()):
+    # The defaults a run's config.yaml holds resolved: max_workers its size, min_workers 1 or it.
+    if bounds.get("max_workers", size) != size or bounds.get("min_workers", size) not in (1, size):
         raise ConfigError(
             "--set scaling.num_workers does not resize this config: it is elastic ("
             + ", ".join(f"scaling.{k}={v}" for k, v in bounds.items())

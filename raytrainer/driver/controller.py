@@ -82,9 +82,12 @@ class ControllerSettings:
     """What the config tells the controller, and how often it looks (tests set 0)."""
 
     min_workers: int
-    """scaling.min_workers (num_workers for a fixed-size run)."""
+    """scaling.min_workers: the fewest workers the run trains on."""
     max_workers: int | None = None
-    """scaling.max_workers: an elastic run grows up to it; default min_workers."""
+    """scaling.max_workers: an elastic run grows up to it; default the size."""
+    size: int | None = None
+    """scaling.size (num_workers within the bounds): the worker count the run waits for
+    and grows back to; default min_workers."""
     failure: FailureConfig = field(default_factory=lambda: FailureConfig(max_failures=0, step_timeout_s=None))
     replace_timeout_s: float = 10.0
     """scaling.replace_timeout_s: how long a drain waits for replacements, and how long
@@ -109,7 +112,8 @@ class ControllerSettings:
     @classmethod
     def of(cls, config: Config) -> ControllerSettings:
         scaling = config.scaling
-        return cls(min_workers=scaling.min_workers, max_workers=scaling.max_workers, failure=config.failure,
+        return cls(min_workers=scaling.min_workers, max_workers=scaling.max_workers, size=scaling.size,
+                   failure=config.failure,
                    replace_timeout_s=scaling.replace_timeout_s, placement_timeout_s=scaling.placement_timeout_s,
                    per_worker_batch=config.trainer.batch_policy == "per_worker" or config.task.is_loop)
 
@@ -149,8 +153,9 @@ class Controller:
         self.policy = FailurePolicy(self.failure.max_failures, self.failure.failure_window_s, self.failure.max_losses)
         # The newest committed checkpoint (before a step, if given), if any.
         self.restore = restore or (lambda before=None: None)
-        self.num_workers = settings.min_workers
-        self.max_workers = settings.max_workers or settings.min_workers
+        self.min_workers = settings.min_workers
+        self.size = settings.size or settings.min_workers
+        self.max_workers = settings.max_workers or self.size
         self.world = 0  # the current world size
         self._replicated = True  # whether every worker holds the whole state (Formed)
         self._nodes: list[Node] = []  # where each rank runs
@@ -181,8 +186,9 @@ class Controller:
     def run(self) -> Any:
         """Train to the end and return rank 0's final state; raise what stopped the run."""
         t0 = time.monotonic()
-        self.events.log("run_started", step=0, num_workers=self.num_workers,
-                        **({"max_workers": self.max_workers} if self.max_workers > self.num_workers else {}))
+        self.events.log("run_started", step=0, num_workers=self.size,
+                        **({"min_workers": self.min_workers} if self.min_workers < self.size else {}),
+                        **({"max_workers": self.max_workers} if self.max_workers > self.size else {}))
         try:
             self._start(t0)
             while self.state is State.RUNNING:
@@ -401,7 +407,7 @@ class Controller:
     def _look_for_room(self) -> None:
         """Once workers started where the cluster has room are up to join (Resizing.room),
         ask every worker to pause, so that the group re-forms with them (`_resize`)."""
-        if self._pause_asked is None and self.resizing.room(self.world):
+        if self._pause_asked is None and self.resizing.room(self.world, self.step):
             self._pause()
 
     def _watch_drains(self) -> None:
@@ -409,7 +415,7 @@ class Controller:
         pause, so that the group re-forms without those (`_resize`)."""
         if self._pause_asked is not None:
             return
-        leaving = self.drains.check(self._nodes, self.world, self.num_workers, self.step,
+        leaving = self.drains.check(self._nodes, self.world, self.min_workers, self.step,
                                    self.recorder.pause_estimate())
         if leaving:
             self._leaving = leaving

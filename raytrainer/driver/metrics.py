@@ -364,6 +364,7 @@ class ProgressBar(Sink):
         self._drawn = True  # nothing new to show
         self._state: dict[str, Any] = {}
         self._failures: list[str] = []  # worker_failed notices not yet recovered from
+        self._size: int | None = None  # the run's size, while it waits for room for it
 
     def write(self, row: dict[str, Any]) -> None:
         self._state.update(row)
@@ -378,6 +379,7 @@ class ProgressBar(Sink):
         checkpoint passed over: a line each, between the status lines (notice). Failures are
         shown once recovered from: one the run ends on is the error the run raises."""
         line = notice(record)
+        self._note_capacity(record)
         if record["event"] == "worker_failed":
             self._failures.append(line)
         elif record["event"] in ("failed", "finished", "stopped"):
@@ -386,6 +388,13 @@ class ProgressBar(Sink):
             lines, self._failures = [*self._failures, line], []
             self._put(("\r\x1b[K" if self.tty else "") + "\n".join(lines) + "\n")
             self._drawn = False  # the status line again after them, on a terminal
+
+    def _note_capacity(self, record: dict[str, Any]) -> None:
+        kind = record["event"]
+        if kind == "waiting_for_capacity":
+            self._size = record["size"]
+        elif self._size is not None and record.get("new_world_size", record.get("world_size", 0)) >= self._size:
+            self._size = None  # resized, or formed again, at its size
 
     def _draw(self, final: bool) -> None:
         s = self._state
@@ -398,7 +407,8 @@ class ProgressBar(Sink):
                 parts.append(f"{key} {s[key]:.4g}")
         if "samples_per_s" in s:
             parts.append(f"{s['samples_per_s']:,.0f} samples/s")
-        parts.append(f"workers {s.get('world_size', '?')}")
+        workers = s.get("world_size", "?")
+        parts.append(f"workers {workers}/{self._size}, waiting for room" if self._size else f"workers {workers}")
         line = " | ".join(parts)
         self._drawn = True
         self._put(("\r" + line + "\x1b[K") if not final else line + "\n")
@@ -441,6 +451,9 @@ def notice(e: dict[str, Any]) -> str | None:
                 f"(paused {e['seconds']:.2f} s): {e['cause']}")
     if kind == "left_node":
         return f"raytrainer: ranks {e['ranks']} left node {e['node']} at step {step}: {e['reason']}"
+    if kind == "waiting_for_capacity":
+        return (f"raytrainer: no room for {e['missing']} more worker(s) at step {step}: training goes on with "
+                f"{e['world_size']} of {e['size']} and grows back when the cluster has room")
     if kind == "checkpoint_skipped":
         return f"raytrainer: checkpoint {e['checkpoint']} skipped: {e['why']}"
     return None

@@ -299,14 +299,15 @@ def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, r
                             "replacements start")
 
 
-def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, min_workers: int,
+def keep_waiting_for_placement(waited_s: float, placed: int, others: int, *, size: int,
                                replace_timeout_s: float, placement_timeout_s: float) -> bool:
     """Whether to keep waiting for lost workers' replacements to be placed: up to
-    replace_timeout_s while the workers kept (`others`) plus those placed make min_workers
-    (after that the group shrinks), up to placement_timeout_s in any case."""
+    placement_timeout_s while the workers kept (`others`) plus those placed are fewer than
+    the run's size, up to replace_timeout_s for those beyond it (after that the group goes
+    on smaller, and grows back when there is room; below min_workers it fails)."""
     if waited_s >= placement_timeout_s:
         return False
-    return waited_s < replace_timeout_s or others + placed < min_workers
+    return waited_s < replace_timeout_s or others + placed < size
 
 
 def grow_now(ready: int, starting: int, waited_s: float, patience_s: float) -> bool:

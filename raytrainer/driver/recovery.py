@@ -93,7 +93,7 @@ class Recovery:
         plan = replacing(lost, spares_ready=[r for r, built in up.items() if built], spares_up=list(up),
                          world=ctl.world,
                          replicated=ctl._replicated, exact=ctl.failure.recovery == "exact",
-                         global_batch_fixed=not ctl.per_worker_batch, elastic=ctl.max_workers > ctl.num_workers)
+                         global_batch_fixed=not ctl.per_worker_batch, elastic=ctl.max_workers > ctl.min_workers)
         if ctl._replicated:
             reformed = ctl._reform(lost, regrow=list(plan.regrow))
             how = {"source_rank": reformed.source, "state_from": reformed.state_from,

@@ -26,7 +26,8 @@ class Resizing:
     def __init__(self, group: WorkerGroup, events: EventLog, settings: ControllerSettings):
         self.group, self.events = group, events
         self.min_workers = settings.min_workers
-        self.max_workers = settings.max_workers or settings.min_workers
+        self.size = settings.size or settings.min_workers
+        self.max_workers = settings.max_workers or self.size
         self.check_s = settings.grow_check_s
         self.patience_s = settings.replace_timeout_s
         self.placement_timeout_s = settings.placement_timeout_s
@@ -34,8 +35,10 @@ class Resizing:
         self._up_at: float | None = None  # since when newcomers are up, waiting for the rest
         self._short_since: float | None = None  # since when the run trains below min_workers
         self.regrowing = 0  # ranks left behind by a fast recovery, whose replacements are coming
+        self._unplaced_since: float | None = None  # since when the run lacks room for its size
+        self.capacity_wait: dict[str, Any] | None = None  # the waiting_for_capacity event, while it waits
 
-    def room(self, world: int) -> bool:
+    def room(self, world: int, step: int) -> bool:
         """About once every check_s, while below max_workers: start workers where the cluster
         has room; whether some are up to join now (the workers are to pause for a resize)."""
         now = time.monotonic()
@@ -43,14 +46,33 @@ class Resizing:
             return False
         self.checked_at = now
         ready = self.group.joinable()
+        starting = self.group.joiners_starting()
+        self._note_room(world, ready + starting, now, step)
         if not ready:
             self._up_at = None
             return False
         self._up_at = self._up_at or now
-        if not grow_now(ready, self.group.joiners_starting(), now - self._up_at, self.patience_s):
+        if not grow_now(ready, starting, now - self._up_at, self.patience_s):
             return False
         self._up_at = None
         return True
+
+    # How long the cluster may lack room for the run's size before the run says it waits:
+    # a replacement's group is placed in moments where there is room.
+    UNPLACED_AFTER_S = 3.0
+
+    def _note_room(self, world: int, placed: int, now: float, step: int) -> None:
+        """Say once (`waiting_for_capacity`) when the run has been below its size for want
+        of room for UNPLACED_AFTER_S: it trains on meanwhile, and grows back once there is."""
+        missing = self.size - world - placed
+        if missing <= 0:
+            self._unplaced_since = None
+            return
+        self._unplaced_since = self._unplaced_since or now
+        if self.capacity_wait is None and now - self._unplaced_since >= self.UNPLACED_AFTER_S:
+            self.capacity_wait = {"since": time.time() - (now - self._unplaced_since), "step": step}
+            self.events.log("waiting_for_capacity", step=step, world_size=world, size=self.size, missing=missing,
+                            min_workers=self.min_workers)
 
     def formed(self, world: int) -> None:
         """A group formed from scratch: no rank left behind is coming."""
@@ -58,7 +80,10 @@ class Resizing:
         self.note_size(world)
 
     def note_size(self, world: int) -> None:
-        """Start (or stop) the clock of a run below min_workers."""
+        """Start (or stop) the clock of a run below min_workers; a wait for capacity ends
+        where the run has its size again."""
+        if world >= self.size:
+            self._unplaced_since = self.capacity_wait = None
         if world >= self.min_workers:
             self._short_since = None
         elif self._short_since is None:
@@ -93,11 +118,16 @@ class Resizing:
         if world != old_world or not leaving:  # replacements in the leavers' places: no resize
             cause = ("preemption" if leaving else "lost workers replaced" if self.regrowing and reformed.added
                      else "room to grow")
-            self.log_resize(old_world, world, reformed, seconds, cause)
+            waited = {}
+            if self.capacity_wait is not None and world >= self.size:
+                waited = {"capacity_waited_s": round(time.time() - self.capacity_wait["since"], 3)}
+                self.capacity_wait = None
+            self.log_resize(old_world, world, reformed, seconds, cause, **waited)
         self.regrowing = max(0, self.regrowing - reformed.added)
 
-    def log_resize(self, old_world: int, world: int, reformed: Reformed, seconds: float, cause: str) -> None:
+    def log_resize(self, old_world: int, world: int, reformed: Reformed, seconds: float, cause: str,
+                   **more: Any) -> None:
         """`seconds`: the pause of training, from the workers stopping to them going on."""
         self.events.log("resized", step=reformed.step, old_world_size=old_world, new_world_size=world,
                         seconds=seconds, cause=cause, added=reformed.added, dropped=reformed.dropped,
-                        pids=[n.pid for n in reformed.nodes])
+                        pids=[n.pid for n in reformed.nodes], **more)

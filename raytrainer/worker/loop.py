@@ -85,8 +85,8 @@ class LoopSettings:
     max_world_size: int | None = None
     """scaling.max_workers: what an elastic run may grow to."""
     min_world_size: int | None = None
-    """scaling.min_workers: below it (while a lost worker's replacement starts) a worker's
-    micro-batch stays what it is at min_workers, and it accumulates more of them."""
+    """scaling.size: below it (while a lost worker's replacement starts, or waits for room)
+    a worker's micro-batch stays what it is at that size, and it accumulates more of them."""
     task: TaskConfig | None = None
     """How validation actors build the task (trainer.validation.async); None: sync only."""
 
@@ -94,7 +94,7 @@ class LoopSettings:
     def of(cls, config: Config) -> LoopSettings:
         return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
                    chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
-                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.min_workers,
+                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.size,
                    task=config.task)
 
 

@@ -33,7 +33,7 @@ class Sizing:
     """scaling.num_workers: the world size global_batch_size and the LR are given for (what
     the per_worker batch policy scales from); default the world size."""
     min_world_size: int
-    """scaling.min_workers: below it a worker's micro-batch stays what it is at min_workers."""
+    """scaling.size: below it a worker's micro-batch stays what it is at that size."""
     most_world_size: int
     """What an elastic run may grow to: scaling.max_workers, at least the world size."""
     max_steps: int | None
@@ -54,8 +54,9 @@ class Sizing:
         batch = cfg.global_batch_size
         if cfg.batch_policy == "per_worker":
             batch = batch // self.base_world_size * world_size
-        # A run that went on without a lost worker (failure.recovery: fast) keeps the memory
-        # of a forward pass at min_workers: the survivors accumulate more micro-batches.
+        # A run that went on without a lost worker (failure.recovery: fast, or no room for its
+        # replacement) keeps the memory of a forward pass at its size: the survivors
+        # accumulate more micro-batches.
         micro = cfg.micro_batch_size or -(-batch // max(world_size, self.min_world_size))
         return BatchPlan(dataset_size(train_data), batch, micro, world_size, cfg.seed,
                          overfit_batches=cfg.overfit_batches)

@@ -74,7 +74,7 @@ class RayWorkerGroup:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> list[Node]:
-        """Reserve min_workers slots at once (and ask for the rest), start a worker in each
+        """Reserve the run's slots (Slots.reserve: its size, else at least min_workers), start a worker in each
         placed slot; return the workers' nodes."""
         self.roster.slots = self.slots.reserve()
         t0, kept_before = time.monotonic(), len(kept.kept_actors())

@@ -1,11 +1,12 @@
 """Slots: the placement groups that reserve a place for each worker, one group per slot.
 
-The first scaling.min_workers slots are placed together, all at once, with the placement
-strategy (one group of that many bundles, which places all or none); that group is then
-traded for one single-bundle group per slot on the same nodes, before any worker starts.
-On a Ray of one node that cannot grow (one started for the driver) the single groups are
-asked for at once.
-An elastic run asks for one more single-bundle group per worker it may grow by. Those stay
+The run's size in slots (scaling.num_workers) is placed together, all at once, with the
+placement strategy (one group of that many bundles, which places all or none); that group is
+then traded for one single-bundle group per slot on the same nodes, before any worker
+starts. Where it finds no room within scaling.placement_timeout_s, min_workers slots are
+placed the same way and the run starts with those. On a Ray of one node that cannot grow
+(one started for the driver) the single groups are asked for at once.
+The run asks for one more single-bundle group per slot it lacks or may grow by. Those stay
 pending until the cluster has room, which is also what asks the autoscaler for it; a free
 slot whose group is placed gets a worker started in it, which joins the group at the next
 re-form once it is up.
@@ -46,9 +47,12 @@ Joiner = tuple[Slot, Any, Any]
 
 
 class Slots:
-    # An elastic run starts with the slots beyond min_workers that the cluster places this
-    # quickly; the others join later, at a resize.
+    # A run starts with the slots beyond its size that the cluster places this quickly;
+    # the others join later, at a resize.
     EXTRA_AT_START_S = 1.0
+    # Where the run's size found no room in time: how long the fewer workers it starts with
+    # may take to be placed (the room for them is there or not: a placement takes moments).
+    SMALLER_WITHIN_S = 5.0
 
     def __init__(self, config: Config, bundle: dict[str, float], cluster_can_grow: bool):
         self.config, self.bundle, self.cluster_can_grow = config, bundle, cluster_can_grow
@@ -56,52 +60,73 @@ class Slots:
         self.joining: list[Joiner] = []
 
     def reserve(self) -> list[Slot]:
-        """Reserve min_workers slots at once and ask for the rest; the slots placed."""
+        """Reserve the run's size (scaling.size) in slots at once, and ask for the rest up to
+        max_workers; the slots placed. Where the cluster has no room for its size within
+        scaling.placement_timeout_s, the run starts with the slots it has, at least
+        min_workers, and the others join as they are placed (a resize)."""
         scaling = self.config.scaling
-        self._check_fits(scaling.min_workers)
-        t0 = time.monotonic()
+        size, fewest = scaling.size, scaling.min_workers
+        self._check_fits(size)
+        deadline = time.monotonic() + scaling.placement_timeout_s
         if self.cluster_can_grow or scaling.placement == "STRICT_SPREAD":
-            gang = placement_group([self.bundle] * scaling.min_workers, strategy=scaling.placement)
-            self.pgs = [gang]
-            self._wait_ready([gang], t0)
-            nodes = placement_group_table(gang)["bundles_to_node_id"]
-            remove_placement_group(gang)
+            nodes = self._gang_nodes(size, deadline, last=size == fewest)
+            if nodes is None:  # fewer, placed together the same way; the rest as they come
+                nodes = self._gang_nodes(fewest, time.monotonic() + self.SMALLER_WITHIN_S, last=True)
         else:
             # One node (a Ray started for this driver, no autoscaler): the gang would place
             # every slot there, and a group asked for as it is removed waits out Ray's retry
             # (0.5 s on a 2-CPU Ray, where the gang held every CPU).
-            nodes = [ray.get_runtime_context().get_node_id()] * scaling.min_workers
+            nodes = [ray.get_runtime_context().get_node_id()] * size
         # The same nodes, one group each (a soft target: were the room taken meanwhile,
         # another node serves; _internals.single_slot_on).
-        self.pgs = [single_slot_on(self.bundle, nodes[i], **kept_for_a_new_driver(self.config))
-                    for i in range(scaling.min_workers)]
-        self._wait_ready(self.pgs, t0)
-        slots = [(pg, 0) for pg in self.pgs]
+        self.pgs = [single_slot_on(self.bundle, node, **kept_for_a_new_driver(self.config)) for node in nodes]
+        placed = self._wait_ready(self.pgs, max(deadline, time.monotonic() + self.SMALLER_WITHIN_S), fewest)
         # Only now: single bundles asked for first could take the room the core needs.
-        extras = [self._group() for _ in range(scaling.max_workers - scaling.min_workers)]
+        extras = [self._group() for _ in range(scaling.max_workers - len(nodes))]
         self.pgs += extras
         if extras:
             refs = [pg.ready() for pg in extras]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.EXTRA_AT_START_S)
-            slots += [(pg, 0) for pg, ref in zip(extras, refs) if ref in ready]
-        return slots
+            placed += [pg for pg, ref in zip(extras, refs) if ref in ready]
+        return [(pg, 0) for pg in placed]
 
-    def _wait_ready(self, pgs: list[Any], t0: float) -> None:
+    def _gang_nodes(self, count: int, deadline: float, last: bool) -> list[str] | None:
+        """The nodes of `count` slots placed together with the placement strategy (one group
+        of that many bundles places all or none), the group given back; None where it was not
+        placed by `deadline` (a PlacementError if it is the `last` try)."""
+        gang = placement_group([self.bundle] * count, strategy=self.config.scaling.placement)
+        self.pgs = [gang]
+        try:
+            if not self._wait_ready([gang], deadline, 1 if last else 0):
+                return None
+            nodes = placement_group_table(gang)["bundles_to_node_id"]
+            return [nodes[i] for i in range(count)]
+        finally:
+            remove_placement_group(gang)
+            self.pgs = []
+
+    def _wait_ready(self, pgs: list[Any], deadline: float, need: int) -> list[Any]:
+        """Those of `pgs` placed by `deadline` (all of them, if they are, at once); a
+        PlacementError if fewer than `need`."""
+        refs = [pg.ready() for pg in pgs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+        if len(ready) < need:
+            self._unplaced(need)
+        return [pg for pg, ref in zip(pgs, refs) if ref in ready]
+
+    def _unplaced(self, count: int) -> None:
         scaling = self.config.scaling
         timeout = scaling.placement_timeout_s
-        refs = [pg.ready() for pg in pgs]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, t0 + timeout - time.monotonic()))
-        if len(ready) < len(refs):
-            held = waiting()
-            raise PlacementError(
-                f"could not place {scaling.min_workers} workers of {self.bundle} each "
-                f"({scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
-                f"{resources_text()}. Lower scaling.num_workers (or min_workers) or "
-                "scaling.resources_per_worker, or add nodes"
-                + (f". The workers of {', '.join(held)}, whose driver was lost, hold resources for a new driver "
-                   "until failure.driver_grace_s ends: rerun that run's command to continue it, or `raytrainer "
-                   "release RUN_DIR` to free them now" if held else "")
-            )
+        held = waiting()
+        raise PlacementError(
+            f"could not place {count} workers of {self.bundle} each "
+            f"({scaling.placement}) within scaling.placement_timeout_s={timeout:g}; "
+            f"{resources_text()}. Lower scaling.num_workers (or min_workers) or "
+            "scaling.resources_per_worker, or add nodes"
+            + (f". The workers of {', '.join(held)}, whose driver was lost, hold resources for a new driver "
+               "until failure.driver_grace_s ends: rerun that run's command to continue it, or `raytrainer "
+               "release RUN_DIR` to free them now" if held else "")
+        )
 
     def single(self) -> Slot:
         """A new slot in a group of its own (Ray places it off draining nodes)."""
@@ -216,7 +241,7 @@ class Slots:
                     roster.actors[rank] = start_worker(self.config, self.bundle, roster.slots[rank])
                     refs[roster.actors[rank].node.remote()] = rank
             if not keep_waiting_for_placement(time.monotonic() - t0, len(placed), others,
-                                              min_workers=scaling.min_workers,
+                                              size=scaling.size,
                                               replace_timeout_s=scaling.replace_timeout_s,
                                               placement_timeout_s=scaling.placement_timeout_s):
                 break
