@@ -10,6 +10,7 @@ gs://bucket/runs?endpoint_override=...): a path joined to it goes before them.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -71,8 +72,11 @@ def open_uri(uri: str) -> tuple[Any, str]:
             raise RaytrainerError(f"{uri}: {HADOOP_HINT} ({first})") from None
     from fsspec.core import url_to_fs
 
-    fs, path = url_to_fs(uri)
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+    # No listings cache: other processes write the run directory (the workers' checkpoints,
+    # the driver's files), and a cached listing would hide them (fsspec keeps one per
+    # filesystem instance, and shares instances).
+    fs, path = url_to_fs(uri, use_listings_cache=False)
+    return pafs.PyFileSystem(_handler()(fs)), path
 
 
 def join(uri: str, rel: str) -> str:
@@ -87,6 +91,23 @@ def split(uri: str) -> tuple[str, str]:
     base, sep, query = uri.partition("?")
     parent, _, name = base.rstrip("/").rpartition("/")
     return parent + sep + query, name
+
+
+@functools.cache
+def _handler() -> type:
+    """pyarrow's FSSpecHandler, creating directories with fsspec's makedirs(exist_ok=True):
+    its portable "create unless there", where mkdir of an existing one raises whatever each
+    implementation likes (FTP's: error_perm 550), not the FileExistsError pyarrow passes over."""
+    import pyarrow.fs as pafs
+
+    class Handler(pafs.FSSpecHandler):
+        def create_dir(self, path: str, recursive: bool) -> None:
+            if recursive:
+                self.fs.makedirs(path, exist_ok=True)
+            else:
+                super().create_dir(path, recursive)
+
+    return Handler
 
 
 def _pyarrow_opens(name: str) -> bool:
