@@ -4,6 +4,9 @@ moto's; a run trains there, is resumed with `raytrainer resume URI` and plotted 
 `raytrainer plot URI` (storage_servers.py: the servers)."""
 
 import json
+import os
+import shutil
+import signal
 
 import pytest
 
@@ -12,6 +15,7 @@ from raytrainer import filesystems
 from raytrainer.checkpoint import Checkpoints, Storage
 from raytrainer.config import CheckpointConfig
 from raytrainer.driver.cli import main
+from raytrainer.errors import RaytrainerError, Stopped
 
 from .conftest import assert_no_leaks
 from .storage_servers import ftp_server, gcs_server, s3_server
@@ -91,3 +95,17 @@ def test_resume_and_plot_of_a_uri_with_no_run_say_so(tmp_path, capsys):
         assert "holds no metrics.jsonl or events.jsonl" in capsys.readouterr().err
     assert main(["plot", "nosuch://bucket/runs/x"]) == 2
     assert "no filesystem is known for nosuch://" in capsys.readouterr().err
+
+
+def test_hdfs_without_a_hadoop_client_says_what_it_needs():
+    if shutil.which("hadoop") or os.environ.get("ARROW_LIBHDFS_DIR"):
+        pytest.skip("a Hadoop client is installed here: hdfs:// would try to reach its namenode")
+    with pytest.raises(RaytrainerError) as info:
+        Storage("hdfs://namenode:8020/runs")
+    assert "JAVA_HOME" in str(info.value) and "hadoop classpath" in str(info.value)
+    assert len(str(info.value)) < 400  # not pyarrow's list of every place it looked for a JVM
+
+
+def test_a_stopped_run_at_a_uri_is_continued_by_raytrainer_resume_of_its_uri():
+    stopped = Stopped(signal.SIGTERM, step=3, run_dir="gs://bucket/runs/x?scheme=http")
+    assert stopped.how_to_continue("cfg.yaml") == "raytrainer resume gs://bucket/runs/x?scheme=http"
