@@ -1,4 +1,4 @@
-"""Checkpoints: any storage pyarrow.fs reaches, atomic commit by marker, retention.
+"""Checkpoints: any storage pyarrow.fs or fsspec reaches, atomic commit by marker, retention.
 
 Layout under the run directory, for a replicated strategy (DDP: rank 0 writes):
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from . import filesystems
 from .config import CheckpointConfig
 from .errors import StorageError
 
@@ -83,17 +84,17 @@ def cause_of(exc: BaseException) -> str:
 
 
 class Storage:
-    """A directory on a local disk, file:// or s3:// (endpoint and credentials from the
-    environment, as AWS tools read them: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+    """A directory on a local disk or behind any URI filesystems.open_uri opens: file://,
+    s3:// (endpoint and credentials from the environment, as AWS tools read them:
+    AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), gs://, abfs://, hdfs://, or a scheme of fsspec's."""
 
     def __init__(self, uri: str):
         import pyarrow.fs as pafs
 
-        self.uri = uri.rstrip("/")
-        if "://" in uri:
-            self.fs, self.root = pafs.FileSystem.from_uri(self.uri)
-        else:
-            self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(uri)
+        base, sep, query = uri.partition("?")
+        self.uri = base.rstrip("/") + sep + query
+        self.fs, self.root = filesystems.open_uri(self.uri)
+        self.root = self.root.rstrip("/") or self.root
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
 
     def path(self, *parts: str) -> str:
@@ -142,7 +143,7 @@ class Storage:
         """A URI for `rel` that Storage() opens on any node (absolute for a local path)."""
         if not rel:
             return self.root if self.local else self.uri
-        return self.path(rel) if self.local else f"{self.uri}/{rel}"
+        return self.path(rel) if self.local else filesystems.join(self.uri, rel)
 
 
 @dataclass
@@ -178,7 +179,7 @@ def find_checkpoint_dir(uri: str) -> CheckpointRef:
         manifest = json.loads(storage.read(MARKER))
     except (OSError, FileNotFoundError):
         raise FileNotFoundError(f"{uri} holds no committed checkpoint (no {MARKER} marker)") from None
-    return CheckpointRef(uri, "", uri.rstrip("/").rsplit("/", 1)[-1], manifest["step"], manifest)
+    return CheckpointRef(uri, "", filesystems.split(uri)[1], manifest["step"], manifest)
 
 
 def checkpoint_name(step: int) -> str:

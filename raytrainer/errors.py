@@ -88,13 +88,14 @@ class Stopped(KeyboardInterrupt):
 
     def how_to_continue(self, config: str | None = None) -> str | None:
         """The command that continues the run: `raytrainer resume RUN_DIR` where the run
-        directory is local, else (remote storage: run_dir is its URI) the run's config
-        (`config`) trained again under its name; None where the run has no directory yet."""
+        directory holds its config.yaml (a local one, or a URI: the driver uploaded it with the
+        checkpoint a stop commits), else the run's config (`config`) trained again under its
+        name; None where the run has no directory yet."""
         import os
 
         if not self.run_dir:
             return None
-        if os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
+        if "://" in self.run_dir or os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
             return f"raytrainer resume {self.run_dir}"
         return f"raytrainer train {config or 'CONFIG'} --set run.name={self.run_dir.rstrip('/').rpartition('/')[2]}"
 

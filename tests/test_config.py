@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -53,7 +54,9 @@ def test_yaml_file_and_overrides(tmp_path):
     (["trainer.max_epochs=null"], ["max_epochs or trainer.max_steps"]),
     (["trainer.max_steps=0", "trainer.max_epochs=null"], ["trainer.max_steps=0", "positive"]),
     (["task.target=nocolon"], ["task.target", "package.module:ClassName"]),
-    (["run.storage=gs://bucket/x"], ["run.storage", "s3://"]),
+    (["run.storage=nosuch://bucket/x"], ["run.storage='nosuch://bucket/x'", "no filesystem is known for nosuch://",
+                                         "s3", "gs", "fsspec"]),
+    (["run.resume=nosuch://bucket/x/checkpoints/step-00000001"], ["run.resume=", "nosuch://"]),
     (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0", "resume needs"]),
     (["checkpoint.asynch=true"], ["checkpoint.asynch", "async"]),
     (["noequals"], ["section.key=value"]),
@@ -164,3 +167,29 @@ def test_relative_paths_are_made_absolute_against_the_users_directory_and_uris_s
         config = load_config(BASE, [f"run.storage={storage}"])
         resolve_paths(config, "/home/u/projB")
         assert config.run.storage == resolved and config.run.resume == "auto"
+
+
+@pytest.mark.parametrize("storage", ["gs://bucket/runs", "abfs://container@account.dfs.core.windows.net/runs",
+                                     "hdfs://namenode:8020/runs", "ftp://user:pw@127.0.0.1:2121/runs",
+                                     "gs://anonymous@bucket/runs?scheme=http&endpoint_override=127.0.0.1:1"])
+def test_a_storage_uri_of_any_scheme_pyarrow_or_fsspec_opens_is_accepted_without_reaching_it(storage):
+    # Nothing listens at these addresses: the check only asks which filesystem would open them.
+    assert load_config(BASE, [f"run.storage={storage}"]).run.storage == storage
+
+
+def test_a_scheme_whose_fsspec_package_is_missing_names_the_package_to_install():
+    import fsspec
+
+    fsspec.register_implementation("rtmissing", "raytrainer_no_such_package.FileSystem", errtxt="absent")
+    with pytest.raises(ConfigError) as info:
+        load_config(BASE, ["run.storage=rtmissing://bucket/runs"])
+    assert "run.storage='rtmissing://bucket/runs'" in str(info.value)
+    assert "pip install raytrainer_no_such_package" in str(info.value)
+
+
+def test_az_without_adlfs_names_the_azure_extra():
+    if importlib.util.find_spec("adlfs") is not None:
+        pytest.skip("adlfs is installed here, so az:// opens: the missing-package message cannot show")
+    with pytest.raises(ConfigError) as info:
+        load_config(BASE, ["run.storage=az://container/runs"])
+    assert 'pip install "raytrainer[azure]"' in str(info.value) and "adlfs" in str(info.value)

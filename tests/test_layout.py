@@ -12,7 +12,7 @@ from raytrainer import contract
 
 PACKAGE = Path(raytrainer.__file__).parent
 SHARED = {"raytrainer", "raytrainer.config", "raytrainer.task", "raytrainer.errors", "raytrainer.callbacks",
-          "raytrainer.checkpoint", "raytrainer.data", "raytrainer.contract"}
+          "raytrainer.checkpoint", "raytrainer.data", "raytrainer.contract", "raytrainer.filesystems"}
 
 
 def _module_name(path: Path) -> str:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .. import filesystems
 from ..errors import ConfigError
 from .task import Component
 
@@ -19,7 +20,8 @@ class RunConfig:
     name: str | None = None
     """Run directory name under storage; default: <task module>-<UTC timestamp>."""
     storage: str = "runs"
-    """Where run directories live: a local path, a file:// or an s3:// URI."""
+    """Where run directories live: a local path, or a URI of a filesystem pyarrow or fsspec
+    opens (file://, s3://, gs://, abfs://, hdfs://, az:// with adlfs, ...; see filesystems.py)."""
     resume: str = "auto"
     """auto: continue from the newest committed checkpoint of this run directory, if any;
     never: always start fresh (an existing run directory is an error); or a checkpoint
@@ -31,11 +33,9 @@ class RunConfig:
     def __post_init__(self):
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"run.name={self.name!r} must be a plain directory name")
-        scheme = self.storage.partition("://")[0] if "://" in self.storage else None
-        if scheme not in (None, "file", "s3"):
-            raise ConfigError(
-                f"run.storage={self.storage!r}: use a local path, a file:// or an s3:// URI"
-            )
+        filesystems.check("run.storage", self.storage)
+        if self.resume not in ("auto", "never"):
+            filesystems.check("run.resume", self.resume)
 
 
 def resolve_paths(config: Config, cwd: str) -> None:

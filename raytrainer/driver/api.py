@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import filesystems
 from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
@@ -119,7 +120,7 @@ def release(run_dir: str, *, address: str | None = None) -> str:
     import ray
 
     shown = run_dir.rstrip("/") if "://" in run_dir else str(Path(run_dir).resolve())
-    storage, _, name = shown.rpartition("/")
+    storage, name = filesystems.split(shown)
     connected_here = not ray.is_initialized()
     if connected_here:
         init_ray(address)
@@ -252,7 +253,7 @@ def _lock_of(storage: Storage, name: str) -> tuple[Path, str]:
     """The file that holds run `name` for one process (_held), and the run directory as shown."""
     if storage.local:
         return Path(storage.root) / name / ".lock", str(Path(storage.root) / name)
-    return _mirror_dir(storage, name).with_name(f"{name}.lock"), f"{storage.uri.rstrip('/')}/{name}"
+    return _mirror_dir(storage, name).with_name(f"{name}.lock"), storage.uri_of(name)
 
 
 def _say_which(shown: str, run_dir: Path, resume: Resume | None, takeover: Any) -> None:
@@ -515,7 +516,7 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
             with _stop_on_signals(controller):
                 result = controller.run()
         except Stopped as exc:
-            exc.run_dir = str(run_dir) if storage.local else f"{storage.uri.rstrip('/')}/{config.run.name}"
+            exc.run_dir = str(run_dir) if storage.local else storage.uri_of(config.run.name)
             raise
         # Rank 0 wrote model.pt to the run's storage: the loggers get its path (a local
         # one; on remote storage they would have to fetch the weights through this process).

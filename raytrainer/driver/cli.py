@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 
+from .. import filesystems
 from ..errors import ConfigError, RaytrainerError, Stopped, show_warnings_plainly
 
 
@@ -30,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--overfit-batches", type=int, metavar="N",
                        help="debug: train on the same first N global batches every epoch")
     resume = sub.add_parser("resume", help="continue a run from its newest committed checkpoint")
-    resume.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535")
+    resume.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535 or "
+                        "s3://bucket/runs/digits-20261122-042535")
     _run_options(resume, "scaling.num_workers=1")
     bench = sub.add_parser("bench", help="time raytrainer against raw torch DDP and Ray Train")
     from ..bench import add_arguments
@@ -47,19 +49,42 @@ def _parser() -> argparse.ArgumentParser:
                       help="stop those a run is using too (the run loses what it did since its last checkpoint)")
     sub.add_parser("status", help="say which local Rays runs keep for the next ones, and where")
     plot = sub.add_parser("plot", help="PNG charts of one run, or several overlaid")
-    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/digits-*")
-    plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one run, plot.png for several)")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                      help="run directories, e.g. runs/digits-* or s3://bucket/runs/digits-...")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one local run, NAME.png here for one "
+                      "run at a URI, plot.png for several)")
     return parser
 
 
-def _resume_source(run_dir: str, overrides: list[str]) -> tuple[str, list[str]]:
-    """The run's own config.yaml, pointed back at the run directory, resume on."""
-    path = run_dir.rstrip("/")
-    storage, _, name = path.rpartition("/")
-    if not name or not os.path.isfile(os.path.join(path, "config.yaml")):
+def _resume_source(run_dir: str, overrides: list[str]) -> tuple[str | dict, list[str]]:
+    """The run's own config.yaml (its path, or what a URI's holds), pointed back at the run
+    directory, resume on."""
+    storage, name = filesystems.split(run_dir)
+    if "://" in run_dir:
+        source = _remote_config(run_dir, storage, name)
+    else:
+        source = os.path.join(run_dir.rstrip("/"), "config.yaml")
+        if not name or not os.path.isfile(source):
+            raise ConfigError(f"{run_dir!r} is not a run directory (it has no config.yaml)")
+    return source, [f"run.storage={storage or '.'}", f"run.name={name}", "run.resume=auto", *overrides]
+
+
+def _remote_config(run_dir: str, storage: str, name: str) -> dict:
+    """config.yaml of the run directory `run_dir`, a URI, read through its filesystem."""
+    import yaml
+
+    from ..checkpoint import Storage
+
+    filesystems.check("RUN_DIR", run_dir)
+    try:
+        parent = Storage(storage)
+        found = bool(name) and parent.exists(f"{name}/config.yaml")
+        text = parent.read(f"{name}/config.yaml") if found else None
+    except OSError as exc:
+        raise ConfigError(f"{run_dir!r}: its config.yaml could not be read ({exc})") from None
+    if text is None:
         raise ConfigError(f"{run_dir!r} is not a run directory (it has no config.yaml)")
-    return os.path.join(path, "config.yaml"), [
-        f"run.storage={storage or '.'}", f"run.name={name}", "run.resume=auto", *overrides]
+    return yaml.safe_load(text) or {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +171,7 @@ def _status(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from .plot import plot_runs
 
-    print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
+    print(f"wrote {plot_runs(args.run_dirs, args.out).path.resolve()}")
     return 0
 
 

@@ -1,4 +1,5 @@
 """`raytrainer plot RUN_DIR [RUN_DIR ...]`: a run (or several, overlaid) as PNG charts.
+A RUN_DIR may be a URI (s3://, gs://, ...): its files are read through its filesystem.
 
 Panels, in order: one per metric the task logs (training line and its `val_`
 counterpart together, `loss` first), the learning rate, throughput (samples/s)
@@ -56,9 +57,11 @@ class PlotResult:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
+    return _parse_jsonl(path.read_text(), str(path)) if path.exists() else []
+
+
+def _parse_jsonl(text: str, where: str) -> list[dict[str, Any]]:
+    lines = text.splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -68,17 +71,38 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             if n == len(lines):  # a run killed mid-write leaves a partial last line
                 break
-            raise RaytrainerError(f"{path}:{n} is not valid JSON ({exc})") from None
+            raise RaytrainerError(f"{where}:{n} is not valid JSON ({exc})") from None
     return out
 
 
 def load_run(run_dir: str | Path) -> Run:
+    if "://" in str(run_dir):
+        return _load_remote(str(run_dir))
     path = Path(run_dir)
     if not path.is_dir():
         raise ConfigError(f"RUN_DIR {str(path)!r} is not a directory; give a run directory such as runs/digits-...")
     if not (path / "metrics.jsonl").exists() and not (path / "events.jsonl").exists():
         raise ConfigError(f"RUN_DIR {str(path)!r} holds no metrics.jsonl or events.jsonl: not a run directory")
     return Run(path.name, _read_jsonl(path / "metrics.jsonl"), _read_jsonl(path / "events.jsonl"))
+
+
+def _load_remote(uri: str) -> Run:
+    """A run directory at a URI, its files read through its filesystem (filesystems.py)."""
+    from .. import filesystems
+    from ..checkpoint import Storage
+
+    filesystems.check("RUN_DIR", uri)
+    parent, name = filesystems.split(uri)
+    try:
+        storage = Storage(parent)
+        texts = {f: storage.read(f"{name}/{f}").decode() if storage.exists(f"{name}/{f}") else None
+                 for f in ("metrics.jsonl", "events.jsonl")}
+    except OSError as exc:
+        raise RaytrainerError(f"RUN_DIR {uri!r} could not be read ({exc})") from None
+    if not any(texts.values()):
+        raise ConfigError(f"RUN_DIR {uri!r} holds no metrics.jsonl or events.jsonl: not a run directory")
+    return Run(name, *(_parse_jsonl(texts[f] or "", filesystems.join(uri, f))
+                       for f in ("metrics.jsonl", "events.jsonl")))
 
 
 def metric_names(runs: Iterable[Run]) -> list[str]:
@@ -99,7 +123,7 @@ def plot_runs(run_dirs: Iterable[str | Path], out: str | Path | None = None) -> 
         raise ConfigError("give at least one RUN_DIR")
     runs = [load_run(d) for d in run_dirs]
     if out is None:
-        out = Path(run_dirs[0]) / "plot.png" if len(runs) == 1 else Path("plot.png")
+        out = _default_out(str(run_dirs[0]), runs)
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--out {str(out)!r}: the plot is a PNG; give a path ending in .png")
@@ -142,6 +166,14 @@ def plot_runs(run_dirs: Iterable[str | Path], out: str | Path | None = None) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return PlotResult(out, panels)
+
+
+def _default_out(first: str, runs: list[Run]) -> Path:
+    """RUN_DIR/plot.png for one local run; for one at a URI, <run name>.png here (the plot is
+    for the person who asked, not for the run's storage); plot.png here for several."""
+    if len(runs) > 1:
+        return Path("plot.png")
+    return Path(f"{runs[0].name}.png") if "://" in first else Path(first) / "plot.png"
 
 
 def _line(ax, rows, key, color, style, label, marker=None) -> None:

@@ -40,6 +40,6 @@ def check_shared_storage(run_dir: Path, storage: str, nodes: list[Node], driver_
             f"run.storage={storage!r} is not shared: the run directory {str(run_dir)!r} written by "
             f"the driver is not visible to {where}. Workers on several nodes need storage every "
             "node sees at the same path: set run.storage to a shared file system path (e.g. an "
-            "NFS mount present on every node) or to an s3:// URI"
+            "NFS mount present on every node) or to a URI every node reaches (s3://, gs://, abfs://, ...)"
         )
     return {"nodes": len({n.node_id for n in nodes}), "workers": len(nodes)}

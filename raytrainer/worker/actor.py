@@ -26,6 +26,7 @@ import threading
 import traceback
 from typing import Any
 
+from .. import filesystems
 from ..checkpoint import CheckpointRef, read_checkpoint
 from ..config import load_config
 from ..contract import (CopiedState, Holdings, Node, Orphan, RunEnd, Reshard, Snapshot, Status,
@@ -248,7 +249,7 @@ class Worker:
                       steps_per_epoch=loop.steps_per_epoch if loop else None,
                       node=self.node() if loop else None,
                       placement_group=ray.get_runtime_context().get_placement_group_id(),
-                      where=f"{run.storage.rstrip('/')}/{run.name}")
+                      where=filesystems.join(run.storage, run.name))
 
     def adopt(self, job_id: str) -> bool:
         """Taken over by the driver of Ray job `job_id` (orphan.py)."""

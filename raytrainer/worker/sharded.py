@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWr
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
+from .. import filesystems
 from ..checkpoint import Storage
 from . import _internals
 from .dist import new_gloo_group
@@ -547,7 +548,7 @@ def read_plain(storage: Storage, rel_dir: str) -> dict[str, Any]:
 
 def checkpoint_location(uri: str) -> tuple[Storage, str]:
     """A sharded checkpoint's directory, named by its URI: (its parent's storage, its name)."""
-    parent, name = uri.rstrip("/").rsplit("/", 1)
+    parent, name = filesystems.split(uri)
     return Storage(parent), name
 
 
