@@ -20,6 +20,7 @@ from typing import Any, Iterable
 from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
+from ..config.taskargs import annotations_of, typed_args
 from ..contract import Resume
 from . import identity as identities, localray, stopexit
 from .controller import Controller, ControllerSettings, Records
@@ -59,6 +60,9 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         config, payload, stem = _by_value(config)
         config = load_config(config, overrides)
         config.task.payload = payload
+        if payload is not None:  # the config could not read its source: the object's own annotations
+            config.task.args = typed_args(config.task.args, annotations_of(_task_object(source)),
+                                          config.task.annotated)
     elif overrides:
         raise ConfigError("overrides apply to a YAML path or a dict, not to a built Config")
     if config.task.by_value and config.task.payload is None:
@@ -189,6 +193,12 @@ def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, s
         raise ConfigError(f"task.{key}: {obj!r} is not a {'function' if key == 'loop' else 'raytrainer.Task'}")
     name = section.get("target", section.get("loop")).rpartition(":")[2].rsplit(".", 1)[-1]
     return {**config, "task": section}, payload, name.strip("<>")
+
+
+def _task_object(config: dict[str, Any]) -> Any:
+    """The task or loop passed as a Python object in a config dict (see _by_value)."""
+    task = config["task"]
+    return task.get("target", task.get("loop")) if isinstance(task, dict) else task
 
 
 def init_ray(address: str | None = None, **options: Any) -> None:
