@@ -391,3 +391,13 @@ def test_ctx_state_due_is_the_auto_interval_of_the_reports_with_state():
     loop.fit()
     assert carried[:2] == [1, 1 + AUTO_FIRST] and len(carried) >= 3
     assert loop.state_interval.agreed is not None and loop.step == carried[-1]
+
+
+def test_a_loops_validate_takes_trainer_validation_resources_and_nothing_else_of_it():
+    """ctx.report(validate=fn) runs fn in a Ray task with trainer.validation.resources, as
+    documented; the rest of trainer.validation is a Task loop's."""
+    config = load_config({"task": {"loop": "a:train"}}, ["trainer.validation.resources={CPU: 0.5}"])
+    assert config.trainer.validation.resources == {"CPU": 0.5}
+    with pytest.raises(ConfigError, match=r"trainer.validation.async applies to a Task's loop.*takes "
+                                          r"trainer.validation.resources"):
+        load_config({"task": {"loop": "a:train"}}, ["trainer.validation.async=true"])

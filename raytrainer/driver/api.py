@@ -50,7 +50,10 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     function runs as raytrainer.train_loop's does.
 
     Uses the Ray this process is connected to; otherwise connects to `address`
-    (or $RAY_ADDRESS); otherwise starts a local Ray for the run and stops it after.
+    (or $RAY_ADDRESS), or a Ray started on this machine with `ray start`; otherwise the
+    local Ray raytrainer keeps for the next runs, started now if none is up, and left up
+    after the run (`raytrainer down` stops it; RAYTRAINER_KEEP_RAY=0: a local Ray for this
+    run only, stopped after it). See init_ray and driver/localray.py.
     `callbacks` are driver-side Callback objects, added to those the config names.
     """
     import ray
