@@ -45,7 +45,7 @@ class ByteWindows(torch.utils.data.Dataset):
 
 def train_func(ctx, block_size: int = 64, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                max_bytes: int = 1_000_000, learning_rate: float = 3e-3, save_steps: int = 50,
-               state_every: int = 1, eval_steps: int = 0, step_sleep_s: float = 0.0):
+               state_every: int | str = 1, eval_steps: int = 0, step_sleep_s: float = 0.0):
     """Your own loop: a Hugging Face Trainer, as you would run it under torchrun. Its
     length and batch come from the config (trainer.max_steps, trainer.global_batch_size).
     `eval_steps`: evaluate on held-out bytes every that many steps (0: never)."""

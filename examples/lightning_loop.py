@@ -56,7 +56,7 @@ class Classifier(L.LightningModule):
 
 
 def train_func(ctx, samples: int = 2048, hidden: int = 32, lr: float = 0.05, val_every: int = 10,
-               state_every: int = 1, step_sleep_s: float = 0.0, ckpt_dir: str | None = None):
+               state_every: int | str = 1, step_sleep_s: float = 0.0, ckpt_dir: str | None = None):
     """Your own loop: a Lightning fit. Its length and batch come from the config
     (trainer.max_steps, trainer.global_batch_size). `ckpt_dir`: where a recovery's state is
     written for Lightning to read (ctx.scratch_dir by default; removed once read)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
@@ -118,13 +118,14 @@ def val_shard(dataset_size: int, rank: int, world_size: int) -> torch.Tensor:
     return torch.arange(rank, dataset_size, world_size)
 
 
-def fetch(dataset: Dataset, index: torch.Tensor) -> Any:
-    """Collate the samples at `index`; TensorDatasets are sliced in one go."""
-    if isinstance(dataset, TensorDataset):
+def fetch(dataset: Dataset, index: torch.Tensor, collate: Callable[[list[Any]], Any] = default_collate) -> Any:
+    """Collate the samples at `index` (data.collate_fn); TensorDatasets are sliced in one go
+    where the collate is the default (a task's own sees the samples as it would elsewhere)."""
+    if isinstance(dataset, TensorDataset) and collate is default_collate:
         return tuple(t[index] for t in dataset.tensors)
     getitems = getattr(dataset, "__getitems__", None)
     items = getitems(index.tolist()) if getitems else [dataset[i] for i in index.tolist()]
-    return default_collate(items)
+    return collate(items)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

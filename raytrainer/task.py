@@ -27,6 +27,7 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
+from .config.taskargs import annotations_of, typed_args
 from .errors import ConfigError, TaskError
 
 if TYPE_CHECKING:  # the driver never needs torch; only workers import it
@@ -107,8 +108,9 @@ def build_task(task: Any, payload: bytes | None = None) -> Task | Callable[..., 
     if task.is_loop:
         if isinstance(obj, type) or not callable(obj):
             raise ConfigError(f"{key}={task.path!r} is not a function; a loop is a function fn(ctx)")
-        _check_args(obj, task.args, key, task.path, first="ctx")
-        return functools.partial(obj, **task.args) if task.args else obj
+        args = typed_args(task.args, annotations_of(obj), task.annotated)
+        _check_args(obj, args, key, task.path, first="ctx")
+        return functools.partial(obj, **args) if args else obj
     cls = obj if isinstance(obj, type) else type(obj)
     missing = [
         m for m in REQUIRED
@@ -118,8 +120,11 @@ def build_task(task: Any, payload: bytes | None = None) -> Task | Callable[..., 
         raise TaskError(f"task {task.path!r} must define {', '.join(missing)} (see raytrainer.Task)")
     if not isinstance(obj, type):  # an instance, passed by value: built already
         return obj
-    _check_args(cls, task.args, key, task.path)
-    return cls(**task.args)
+    # Again with the class itself: its annotations are those the driver read in its source,
+    # or ones the source did not tell (an __init__ inherited from another module).
+    args = typed_args(task.args, annotations_of(cls), task.annotated)
+    _check_args(cls, args, key, task.path)
+    return cls(**args)
 
 
 def _check_args(fn: Any, args: dict[str, Any], key: str, path: str, first: str | None = None) -> None:

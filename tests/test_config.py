@@ -193,3 +193,55 @@ def test_az_without_adlfs_names_the_azure_extra():
     with pytest.raises(ConfigError) as info:
         load_config(BASE, ["run.storage=az://container/runs"])
     assert 'pip install "raytrainer[azure]"' in str(info.value) and "adlfs" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- task.args' types
+
+SEQUENCE = {"task": {"target": "tests.tasks:SequenceTask"}, "trainer": {"max_steps": 5}}
+
+
+def test_task_args_from_yaml_take_the_types_the_task_annotates(tmp_path):
+    """PyYAML reads 3e-4 as a string: coerced to the float SequenceTask.__init__ annotates."""
+    path = tmp_path / "c.yaml"
+    path.write_text("task:\n  target: tests.tasks:SequenceTask\n  args: {lr: 3e-4, hidden: '8', scale: 1, "
+                    "sizes: ['1', 2], shuffle: 'true', tag: v1, untyped: 3e-4}\ntrainer: {max_steps: 5}\n")
+    args = load_config(path).task.args
+    assert args["lr"] == 3e-4 and args["hidden"] == 8 and args["scale"] == 1.0 and args["sizes"] == [1, 2]
+    assert args["shuffle"] is True and args["tag"] == "v1"
+    assert args["untyped"] == "3e-4"  # not a parameter of the task: the worker's signature check says so
+    with pytest.raises(ConfigError, match=r"task.args.lr='fast' has the wrong type: tests.tasks:SequenceTask"
+                                          r".__init__ annotates it as float"):
+        load_config({**SEQUENCE, "task": {**SEQUENCE["task"], "args": {"lr": "fast"}}})
+
+
+def test_task_args_set_on_the_command_line_take_the_annotated_types():
+    cfg = load_config(SEQUENCE, ["task.args.lr=1e-3", "task.args.scale=null"])
+    assert cfg.task.args == {"lr": 1e-3, "scale": None}
+    with pytest.raises(ConfigError, match=r"task.args.tag=2 has the wrong type.*as str; give a value of that "
+                                          r"type \(quoted, in YAML\)"):
+        load_config(SEQUENCE, ["task.args.tag=2"])
+    with pytest.raises(ConfigError, match=r"task.args.sizes=\[1, 'x'\] has the wrong type.*as list\[int\] \| null"):
+        load_config(SEQUENCE, ["task.args.sizes=[1, x]"])
+
+
+def test_task_args_the_driver_cannot_type_are_typed_on_the_worker():
+    from raytrainer.task import build_task
+
+    cfg = load_config({**SEQUENCE, "task": {"target": "tests.tasks:InheritedSequenceTask", "args": {"lr": "3e-4"}}})
+    assert cfg.task.args == {"lr": "3e-4"}  # its __init__ is inherited: the source does not say
+    assert build_task(cfg.task).lr == 3e-4
+    with pytest.raises(ConfigError, match=r"task.args.lr='fast' has the wrong type"):
+        build_task(load_config({**SEQUENCE, "task": {"target": "tests.tasks:InheritedSequenceTask",
+                                                     "args": {"lr": "fast"}}}).task)
+
+
+def test_task_args_of_a_task_passed_by_value_are_typed_on_the_driver():
+    import raytrainer
+    from raytrainer import Task
+
+    class Local(Task):  # <locals>: shipped by value, its source unread
+        def __init__(self, lr: float = 0.1):
+            self.lr = lr
+
+    with pytest.raises(ConfigError, match=r"task.args.lr='fast' has the wrong type.*annotates it as float"):
+        raytrainer.train({**SEQUENCE, "task": {"target": Local, "args": {"lr": "fast"}}}, progress=False)

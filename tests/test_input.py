@@ -22,7 +22,7 @@ from raytrainer.worker.loop import Loop, LoopSettings
 
 from .conftest import assert_no_loader_processes
 from .ray_procs import SESSION_TAG, live_processes, short_temp_dir
-from .tasks import BadInputTask, RegressionStream, RegressionTask, StreamTask
+from .tasks import BadInputTask, RegressionStream, RegressionTask, SequenceTask, StreamTask
 from .waits import Deadline
 
 
@@ -257,3 +257,28 @@ def test_data_config_is_validated():
 def test_regression_stream_is_what_the_tests_assume():
     stream = RegressionStream(RegressionTask()._data(4, 1), length=6)
     assert [int(i) for _, _, i in stream] == list(range(6))
+
+
+# ---------------------------------------------------------------------- data.collate_fn
+
+@pytest.mark.parametrize("collate, data", [("pad", {}), ("tests.tasks:pad_sequences", {"num_workers": 1})])
+def test_a_tasks_collate_fn_pads_variable_length_sequences(collate, data):
+    """A method of the task, or a function by import path (through a loader process too)."""
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        loop(SequenceTask(), max_steps=2).fit()  # what default_collate makes of them
+    run = loop(SequenceTask(), {"collate_fn": collate, **data}, max_steps=4)
+    run.fit()
+    assert run.step == 4
+    assert_no_loader_processes()
+
+
+def test_a_collate_fn_that_cannot_be_found_is_a_config_error():
+    base = {"task": {"target": "tests.tasks:SequenceTask"}, "trainer": {"max_steps": 1}}
+    with pytest.raises(ConfigError, match=r"data.collate_fn='tests.nowhere:pad'.*does not import.*launch in"):
+        load_config({**base, "data": {"collate_fn": "tests.nowhere:pad"}})
+    with pytest.raises(ConfigError, match=r"data.collate_fn='tests.tasks:no_such'.*defines no 'no_such'"):
+        load_config({**base, "data": {"collate_fn": "tests.tasks:no_such"}})
+    with pytest.raises(ConfigError, match=r"data.collate_fn='pad it'.*neither a method name"):
+        load_config({**base, "data": {"collate_fn": "pad it"}})
+    with pytest.raises(ConfigError, match=r"data.collate_fn='padd'.*SequenceTask has no method 'padd'"):
+        loop(SequenceTask(), {"collate_fn": "padd"})

@@ -206,3 +206,24 @@ def test_the_private_name_check_finds_what_it_must():
     assert found == ["from torch.nn.modules.batchnorm import _BatchNorm", "torch._dynamo",
                      "from ray._private import state", "dist.distributed_c10d._world", "scaler._device",
                      "getattr(it, '_shutdown_workers')", "('torch.serialization', '_get_layout')"], found
+
+
+# ---------------------------------------------------------------------------- the docs say what the code does
+
+def test_the_readme_lists_every_event_the_code_writes():
+    import re
+
+    code = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    kinds = set(re.findall(r'"event": "([a-z_]+)"', code)) | set(re.findall(r'events\.log\("([a-z_]+)"', code))
+    readme = (PACKAGE.parent / "README.md").read_text()
+    listed = readme[readme.index("- `events.jsonl`"):readme.index("([their fields]")]
+    assert len(kinds) > 20 and sorted(k for k in kinds if f"`{k}`" not in listed) == []
+
+
+def test_the_readme_task_runs_its_model_once_a_step_and_train_keeps_the_local_ray():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    step = readme[readme.index("    def train_step(self, model, batch):"):]
+    step = step[: step.index("```")]
+    assert step.count("model(") == 1, step
+    doc = " ".join(raytrainer.train.__doc__.split())
+    assert "left up after the run" in doc and "stops it after" not in doc.replace("stopped after it", "")

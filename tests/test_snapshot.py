@@ -171,3 +171,24 @@ def test_auto_interval_is_agreed_by_every_rank_from_the_slowest_ranks_cost():
     # cores, took longer, and no interval changed.)
     assert changes and [(e["step"], e["steps"]) for e in ranks[0][1]] == changes
     assert not ranks[1][1] and not ranks[2][1]  # rank 0's alone
+
+
+def test_the_auto_interval_follows_the_agreed_cost_of_a_copy():
+    """The decision snapshot_every_n_steps: auto and ctx.state_due (the integrations'
+    state_every="auto") share: AUTO_FIRST steps until a step time is agreed, then the
+    interval at which copies take AUTO_BUDGET of the time."""
+    from raytrainer.worker.snapshot import AutoInterval
+
+    interval = AutoInterval()
+    assert interval.due(1)
+    assert interval.taken(1, now=100.0) == (0.0, None)
+    assert [s for s in range(2, 12) if interval.due(s)] == list(range(1 + AUTO_FIRST, 12))
+    step_s, _ = interval.taken(1 + AUTO_FIRST, now=100.0 + AUTO_FIRST * 0.01)
+    assert step_s == pytest.approx(0.01)
+    interval.agree(cost_s=0.0001, step_s=step_s)  # cheap: every step
+    assert interval.taken(11, now=100.1)[1] == AUTO_FIRST and interval.every == 1
+    interval.agree(cost_s=0.9999, step_s=0.01)  # the means: a copy costs 50 steps
+    interval.taken(12, now=100.11)
+    assert interval.every == auto_interval(1, 0.5, 0.01) == AUTO_MOST
+    interval.reset()  # a new group measures anew
+    assert interval.every == AUTO_FIRST and interval.agreed is None and interval.due(0)

@@ -198,3 +198,11 @@ def test_early_stopping_stops_every_rank_at_the_same_step(ray_local, tmp_path):
         assert names[0] == "on_run_start" and names[-1] == "on_run_end"
         assert names.count("on_validation_end") == 3 and names.count("on_epoch_start") == 1
     assert [h["step"] for h in hooks("driver") if h["hook"] == "on_validation_end"] == [2, 4, 6]
+
+
+def test_a_task_pads_its_variable_length_sequences_with_its_collate_fn(ray_local, tmp_path):
+    cfg = config(tmp_path, "padded", task={"target": "tests.tasks:SequenceTask", "args": {"lr": "5e-2"}},
+                 trainer={"max_epochs": None, "max_steps": 4, "global_batch_size": 8, "log_every_n_steps": 1},
+                 data={"collate_fn": "pad"})
+    result = raytrainer.train(cfg, progress=False)
+    assert [row["step"] for row in result.history if "loss" in row] == [1, 2, 3, 4]

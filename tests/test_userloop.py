@@ -367,3 +367,37 @@ def test_a_scratch_folder_is_this_workers_and_the_next_one_removes_those_of_proc
     assert made.parent == root and made.name.startswith(f"{os.getpid()}@node-a.") and made.is_dir()
     assert sorted(p.name for p in root.iterdir()) == sorted(
         [made.name, names["live"], names["other node"], names["not ours"]])
+
+
+def test_ctx_state_due_is_the_auto_interval_of_the_reports_with_state():
+    """One rank, no Ray: the integrations' state_every="auto" asks ctx.state_due; the state
+    goes with the first report, then every AUTO_FIRST steps until a copy's cost is agreed
+    (the third copy's interval follows from it: config.failure.auto_interval)."""
+    from raytrainer.config import load_config
+    from raytrainer.config.failure import AUTO_FIRST
+    from raytrainer.worker.userloop import UserLoop
+
+    carried = []
+
+    def fn(ctx):
+        for step in range(1, 3 * AUTO_FIRST + 2):
+            due = ctx.state_due(step)
+            carried.extend([step] if due else [])
+            ctx.report({"step": step, "loss": 1.0}, state={"w": torch.zeros(4)} if due else None)
+
+    config = load_config({"task": {"loop": "tests.tasks:regression_loop"}, "trainer": {"max_steps": 20}})
+    loop = UserLoop(fn, config, rank=0, world_size=1, device=torch.device("cpu"), report=lambda rows: None,
+                    notify=lambda event: None, checkpoints=None)
+    loop.fit()
+    assert carried[:2] == [1, 1 + AUTO_FIRST] and len(carried) >= 3
+    assert loop.state_interval.agreed is not None and loop.step == carried[-1]
+
+
+def test_a_loops_validate_takes_trainer_validation_resources_and_nothing_else_of_it():
+    """ctx.report(validate=fn) runs fn in a Ray task with trainer.validation.resources, as
+    documented; the rest of trainer.validation is a Task loop's."""
+    config = load_config({"task": {"loop": "a:train"}}, ["trainer.validation.resources={CPU: 0.5}"])
+    assert config.trainer.validation.resources == {"CPU": 0.5}
+    with pytest.raises(ConfigError, match=r"trainer.validation.async applies to a Task's loop.*takes "
+                                          r"trainer.validation.resources"):
+        load_config({"task": {"loop": "a:train"}}, ["trainer.validation.async=true"])

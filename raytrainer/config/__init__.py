@@ -95,7 +95,10 @@ class Config:
 # steps, so the keys that configure the Task loop's step do not apply; a key set anyway is
 # an error, never silently ignored. The rest (scaling, failure, checkpoint retention, run,
 # loggers, driver callbacks) works as for a Task.
-LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "seed", "strategy", "fsdp", "sync_batchnorm")
+LOOP_TRAINER_KEYS = ("max_epochs", "max_steps", "global_batch_size", "seed", "strategy", "fsdp", "sync_batchnorm",
+                     "validation")
+LOOP_VALIDATION_KEYS = ("resources",)
+"""What ctx.report(validate=fn) takes of trainer.validation: the Ray task's resources."""
 
 
 def _check_loop_config(config: Config) -> None:
@@ -115,9 +118,19 @@ def _check_loop_config(config: Config) -> None:
                     if name == "trainer" else
                     f"{name}.{_key(f)} applies to a Task's loop, not to your own (task.loop); {instead}"
                 )
+    _check_loop_validation(config.trainer.validation)
     if config.failure.chaos:
         raise ConfigError("failure.chaos injects faults at a Task loop's steps; your own loop (task.loop) has "
                           "none to act at: remove failure.chaos and kill a worker from outside instead")
+
+
+def _check_loop_validation(validation: ValidationConfig) -> None:
+    default = type(validation)()
+    for f in dataclasses.fields(validation):
+        if f.name not in LOOP_VALIDATION_KEYS and getattr(validation, f.name) != getattr(default, f.name):
+            raise ConfigError(f"trainer.validation.{_key(f)} applies to a Task's loop, not to your own (task.loop), "
+                              "which validates when it asks, ctx.report(state=..., validate=fn): remove it; a loop "
+                              "takes trainer.validation.resources (what fn's Ray task asks)")
 
 
 def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from .taskargs import annotations_from_source, typed_args
 
 
 @dataclass(kw_only=True)
@@ -64,10 +65,17 @@ class TaskConfig:
                 f"'package.module:{'ClassName' if key == 'target' else 'function'}', e.g. "
                 f"'{'examples.digits:DigitsTask' if key == 'target' else 'examples.hf_trainer:train_func'}'"
             )
+        if self.by_value is None:  # by value: the driver checks with the object (driver/api.py)
+            self.args = typed_args(self.args, annotations_from_source(self.path, self.is_loop), self.annotated)
 
     @property
     def is_loop(self) -> bool:
         return self.loop is not None
+
+    @property
+    def annotated(self) -> str:
+        """What task.args are checked against, as errors name it."""
+        return self.path if self.is_loop else f"{self.path}.__init__"
 
     @property
     def path(self) -> str:

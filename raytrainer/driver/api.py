@@ -21,6 +21,7 @@ from .. import filesystems
 from ..callbacks import Callback, Callbacks, RunContext
 from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
+from ..config.taskargs import annotations_of, typed_args
 from ..contract import Resume
 from . import identity as identities, localray, stopexit
 from .controller import Controller, ControllerSettings, Records
@@ -50,7 +51,10 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     function runs as raytrainer.train_loop's does.
 
     Uses the Ray this process is connected to; otherwise connects to `address`
-    (or $RAY_ADDRESS); otherwise starts a local Ray for the run and stops it after.
+    (or $RAY_ADDRESS), or a Ray started on this machine with `ray start`; otherwise the
+    local Ray raytrainer keeps for the next runs, started now if none is up, and left up
+    after the run (`raytrainer down` stops it; RAYTRAINER_KEEP_RAY=0: a local Ray for this
+    run only, stopped after it). See init_ray and driver/localray.py.
     `callbacks` are driver-side Callback objects, added to those the config names.
     """
     import ray
@@ -60,6 +64,9 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         config, payload, stem = _by_value(config)
         config = load_config(config, overrides)
         config.task.payload = payload
+        if payload is not None:  # the config could not read its source: the object's own annotations
+            config.task.args = typed_args(config.task.args, annotations_of(_task_object(source)),
+                                          config.task.annotated)
     elif overrides:
         raise ConfigError("overrides apply to a YAML path or a dict, not to a built Config")
     if config.task.by_value and config.task.payload is None:
@@ -190,6 +197,12 @@ def _by_value(config: str | Path | dict[str, Any]) -> tuple[Any, bytes | None, s
         raise ConfigError(f"task.{key}: {obj!r} is not a {'function' if key == 'loop' else 'raytrainer.Task'}")
     name = section.get("target", section.get("loop")).rpartition(":")[2].rsplit(".", 1)[-1]
     return {**config, "task": section}, payload, name.strip("<>")
+
+
+def _task_object(config: dict[str, Any]) -> Any:
+    """The task or loop passed as a Python object in a config dict (see _by_value)."""
+    task = config["task"]
+    return task.get("target", task.get("loop")) if isinstance(task, dict) else task
 
 
 def init_ray(address: str | None = None, **options: Any) -> None:

@@ -6,7 +6,7 @@
         model = MyLightningModule()
         trainer = L.Trainer(max_steps=ctx.max_steps, use_distributed_sampler=False,
                             strategy=rtl.RaytrainerDDPStrategy(ctx),
-                            callbacks=[rtl.RaytrainerCallback(ctx, state_every=1)])
+                            callbacks=[rtl.RaytrainerCallback(ctx)])
         trainer.fit(model, rtl.dataloader(ctx, train_set),
                     ckpt_path=rtl.checkpoint_to_resume(ctx, "/tmp/lightning"))
 
@@ -42,6 +42,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
+
+from . import AUTO, state_due, state_every_checked
 
 __all__ = ["RaytrainerEnvironment", "RaytrainerDDPStrategy", "RaytrainerCallback", "checkpoint_to_resume",
            "dataloader"]
@@ -122,12 +124,12 @@ class RaytrainerDDPStrategy(DDPStrategy):
 
 class RaytrainerCallback(pl.Callback):
     """Reports each optimizer step to raytrainer (see the module). `state_every`: every how
-    many steps the state goes to memory; a failure costs at most that many steps."""
+    many steps the state goes to memory, a failure costing at most that many steps; "auto"
+    (the default): as often as that takes about 2% of the time, measured in the run
+    (ctx.state_due)."""
 
-    def __init__(self, ctx: Any, state_every: int = 1):
-        if not isinstance(state_every, int) or state_every < 1:
-            raise ValueError(f"RaytrainerCallback(state_every={state_every!r}): give a whole number of steps >= 1")
-        self.ctx, self.state_every = ctx, state_every
+    def __init__(self, ctx: Any, state_every: int | str = AUTO):
+        self.ctx, self.state_every = ctx, state_every_checked(state_every)
         self._row: dict[str, Any] | None = None  # the step's row, until it is reported
         self._validation_keys: set[str] = set()
         self._last = ctx.step  # the newest step with a row: accumulating batches add none
@@ -178,7 +180,7 @@ class RaytrainerCallback(pl.Callback):
             return
         row, self._row = self._row, None
         state = None
-        if row["step"] % self.state_every == 0:
+        if state_due(self.ctx, self.state_every, row["step"]):
             state = {"lightning": _checkpoint(trainer)}
         self.ctx.report(row, state=state)
 

@@ -43,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ..config import DataConfig
 from ..data import BatchPlan, fetch, val_shard
 from ..errors import ConfigError, TaskError
+from ..task import import_object
 from . import _internals, scratch
 from .control import running
 
@@ -72,8 +73,28 @@ def dataset_size(dataset: Any) -> int:
     return STREAM_SIZE if is_stream(dataset) or is_ray_dataset(dataset) else len(dataset)
 
 
+Collate = Callable[[list[Any]], Any]
+
+
+def collate_of(task: Any, name: str | None) -> Collate:
+    """data.collate_fn made callable on this worker: a method of the task (bound: loader
+    processes get the task with it), a function by import path, or torch's default."""
+    if name is None:
+        return default_collate
+    if ":" in name:
+        found = import_object(name, "data.collate_fn")
+    else:
+        found = getattr(task, name, None)
+        if found is None:
+            raise ConfigError(f"data.collate_fn={name!r}: the task {type(task).__name__} has no method {name!r}; "
+                              "define it, or give an import path 'package.module:function'")
+    if not callable(found):
+        raise ConfigError(f"data.collate_fn={name!r} is a {type(found).__name__}, not a function of the samples")
+    return found
+
+
 def build_train_input(dataset: Any, cfg: DataConfig, *, max_epochs: int | None, rank: int,
-                      plan: BatchPlan, device: torch.device):
+                      plan: BatchPlan, device: torch.device, collate: Collate = default_collate):
     if is_ray_dataset(dataset) or is_stream(dataset):
         if max_epochs is not None:
             kind = "Ray Data dataset" if is_ray_dataset(dataset) else "stream (IterableDataset)"
@@ -84,11 +105,15 @@ def build_train_input(dataset: Any, cfg: DataConfig, *, max_epochs: int | None, 
         if is_ray_dataset(dataset):
             from .raydata import RayDataInput
 
+            if cfg.collate_fn is not None:
+                raise ConfigError(f"data.collate_fn={cfg.collate_fn!r} shapes batches of a torch dataset's samples; "
+                                  "the training dataset is a Ray Data dataset: shape its batches with map_batches")
+
             return RayDataInput(dataset, cfg, rank=rank, plan=plan)
         start_loader_server(cfg)
-        return StreamInput(dataset, cfg, rank=rank, plan=plan, device=device)
+        return StreamInput(dataset, cfg, rank=rank, plan=plan, device=device, collate=collate)
     start_loader_server(cfg)
-    return MapInput(dataset, cfg, rank=rank, plan=plan, device=device)
+    return MapInput(dataset, cfg, rank=rank, plan=plan, device=device, collate=collate)
 
 
 # --------------------------------------------------------------------------- loader processes
@@ -225,11 +250,11 @@ class _Fetch(Dataset):
     """The dataset as loader processes read it: one micro-batch per request, through
     data.fetch, so a batch is the same tensors as one read in the training thread."""
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, collate: Collate):
+        self.dataset, self.collate = dataset, collate
 
     def __getitems__(self, index: list[int]) -> Any:
-        return fetch(self.dataset, torch.tensor(index, dtype=torch.int64))
+        return fetch(self.dataset, torch.tensor(index, dtype=torch.int64), self.collate)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -237,8 +262,8 @@ class _Fetch(Dataset):
 
 class MapInput:
     def __init__(self, dataset: Dataset, cfg: DataConfig, *, rank: int, plan: BatchPlan,
-                 device: torch.device):
-        self.dataset, self.cfg, self.device = dataset, cfg, device
+                 device: torch.device, collate: Collate = default_collate):
+        self.dataset, self.cfg, self.device, self.collate = dataset, cfg, device, collate
         self.sampler = _PlanSampler(plan, rank)
         self._loader: DataLoader | None = None
         self._it: Iterator | None = None
@@ -253,7 +278,7 @@ class MapInput:
         plan, rank = self.plan, self.sampler.rank
         if not self.cfg.num_workers:
             for index in plan.micro_batches(epoch, position, rank):
-                yield fetch(self.dataset, index)
+                yield fetch(self.dataset, index, self.collate)
             return
         if self._cursor != (epoch, position, 0):
             self._restart(epoch, position)
@@ -272,7 +297,7 @@ class MapInput:
         if self._loader is None or not self.cfg.persistent_workers:
             self.close()
             seed = hash((self.plan.seed, self.sampler.rank, epoch, position))
-            self._loader = _loader(_Fetch(self.dataset), self.cfg, self.device, seed, batch_sampler=self.sampler,
+            self._loader = _loader(_Fetch(self.dataset, self.collate), self.cfg, self.device, seed, batch_sampler=self.sampler,
                                    collate_fn=_identity, persistent_workers=self.cfg.persistent_workers)
         self._it = _start(self._loader, "training dataset")  # persistent: the same processes, a new order
         self._cursor = (epoch, position, 0)
@@ -305,8 +330,8 @@ class ValInput:
     """Validation micro-batches (every validation sample once across ranks), through
     loader processes when data.num_workers > 0."""
 
-    def __init__(self, dataset: Dataset, cfg: DataConfig, device: torch.device):
-        self.dataset, self.cfg, self.device = dataset, cfg, device
+    def __init__(self, dataset: Dataset, cfg: DataConfig, device: torch.device, collate: Collate = default_collate):
+        self.dataset, self.cfg, self.device, self.collate = dataset, cfg, device, collate
         self._loader: DataLoader | None = None
         self._chunks: list[list[int]] = []
 
@@ -318,11 +343,11 @@ class ValInput:
         chunks = val_shard(len(self.dataset), rank, world_size).split(micro_batch_size)[:limit]
         if not self.cfg.num_workers:
             for chunk in chunks:
-                yield fetch(self.dataset, chunk)
+                yield fetch(self.dataset, chunk, self.collate)
             return
         self._chunks[:] = [c.tolist() for c in chunks]  # the sampler below reads this list
         if self._loader is None:
-            self._loader = _loader(_Fetch(self.dataset), self.cfg, self.device, rank, batch_sampler=self._chunks,
+            self._loader = _loader(_Fetch(self.dataset, self.collate), self.cfg, self.device, rank, batch_sampler=self._chunks,
                                    collate_fn=_identity, persistent_workers=self.cfg.persistent_workers)
         it = _start(self._loader, "validation dataset")
         try:
@@ -362,8 +387,8 @@ class StreamInput:
     """
 
     def __init__(self, dataset: IterableDataset, cfg: DataConfig, *, rank: int, plan: BatchPlan,
-                 device: torch.device):
-        self.dataset, self.cfg, self.device = dataset, cfg, device
+                 device: torch.device, collate: Collate = default_collate):
+        self.dataset, self.cfg, self.device, self.collate = dataset, cfg, device, collate
         self.rank, self.plan = rank, plan
         self.segment = self._segment(base=0, start_step=0)
         self._it: Iterator | None = None
@@ -390,7 +415,7 @@ class StreamInput:
         seg = self.segment
         shard = _StreamShard(self.dataset, rank=self.rank, base=seg["base"], world_size=seg["world_size"],
                              processes=seg["processes"], sizes=seg["sizes"][self.rank],
-                             done=(step - seg["start_step"]) * len(seg["sizes"][self.rank]))
+                             done=(step - seg["start_step"]) * len(seg["sizes"][self.rank]), collate=self.collate)
         if self.cfg.num_workers:
             loader = _loader(shard, self.cfg, self.device, hash((self.plan.seed, self.rank, step)), batch_size=None)
             self._it = _start(loader, "training stream")
@@ -453,8 +478,8 @@ class _StreamShard(IterableDataset):
     loader process (get_worker_info) or in the training thread (one process)."""
 
     def __init__(self, dataset: IterableDataset, *, rank: int, base: int, world_size: int, processes: int,
-                 sizes: list[int], done: int):
-        self.dataset, self.rank, self.base = dataset, rank, base
+                 sizes: list[int], done: int, collate: Collate = default_collate):
+        self.dataset, self.rank, self.base, self.collate = dataset, rank, base, collate
         self.world_size, self.processes, self.sizes, self.done = world_size, processes, sizes, done
 
     def __iter__(self) -> Iterator[Any]:
@@ -480,7 +505,7 @@ class _StreamShard(IterableDataset):
             read += len(chunk)
             if len(chunk) < size:
                 raise self._dry(read, read - len(chunk) + size, process)
-            yield default_collate(chunk)
+            yield self.collate(chunk)
             j += k
 
     def _dry(self, read: int, needed: int, process: int) -> TaskError:

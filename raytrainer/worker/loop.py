@@ -51,7 +51,7 @@ from ..checkpoint import Checkpoints
 from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ..contract import Reshard, Snapshot
 from ..data import BatchPlan
-from .input import ValInput, build_train_input
+from .input import ValInput, build_train_input, collate_of
 from .evaluate import validate_here
 from .handover import bind_snapshots, check_resumable, checkpoint_saver, go_back, leave, starting_state, where
 from .sizing import Sizing, build_scheduler
@@ -134,9 +134,10 @@ class Loop:
         self.train_data, self.val_data = task.train_dataset(), task.val_dataset()
         self.plan = sizing.check(self.train_data, self.val_data, world_size)
         # How micro-batches are read (in this thread, loader processes, a stream): input.py.
+        collate = collate_of(task, settings.data.collate_fn)
         self.train_input = build_train_input(self.train_data, settings.data, max_epochs=cfg.max_epochs, rank=rank,
-                                             plan=self.plan, device=device)
-        self.val_input = ValInput(self.val_data, settings.data, device) if self.val_data is not None else None
+                                             plan=self.plan, device=device, collate=collate)
+        self.val_input = ValInput(self.val_data, settings.data, device, collate) if self.val_data is not None else None
         self.total_steps = sizing.total_steps(self.train_data)
         self.train.scheduler = build_scheduler(task, self.optimizer, self.total_steps, cfg)
         self.flops_per_sample = getattr(task, "flops_per_sample", None)
@@ -160,7 +161,8 @@ class Loop:
         self.latest_metrics = self.window.latest  # what keep_best ranks checkpoints by
         self.outputs = StepOutputs(task, device)  # what train_step and val_step return
         self.saver = checkpoint_saver(self, outlets.checkpoints, settings.checkpoint)
-        self.validation = AsyncValidation.build(self, cfg, settings.task, sizing.most_world_size)  # None: in this loop
+        self.validation = AsyncValidation.build(self, cfg, settings.task, sizing.most_world_size,  # None: in this loop
+                                                settings.data.collate_fn)
         state = starting_state(state, self.strategy, cfg, self.state_dict)
         if state is not None:
             self.load_state_dict(state)

@@ -51,6 +51,46 @@ from ..errors import ConfigError
 from .dist import new_gloo_group
 
 
+class AutoInterval:
+    """The `auto` interval between copies of the state: from the copies' measured costs and
+    step times, which the ranks have agreed on (`agree`: the same values on every rank), the
+    interval config.failure.auto_interval gives; AUTO_FIRST steps until one is measured. A
+    Task's peer snapshots use it, and your own loop's reports with state (ctx.state_due)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Measure anew (a new group: its ranks agree on what they measure in it)."""
+        self.every, self.next = AUTO_FIRST, 0
+        self.agreed: tuple[float, float] | None = None  # the means of the agreed (cost s, s per step)
+        self._since: tuple[int, float] | None = None  # (step, time) of the last copy
+        self._sums = (0.0, 0.0, 0)
+
+    def due(self, step: int) -> bool:
+        return step >= self.next
+
+    def taken(self, step: int, now: float) -> tuple[float, int | None]:
+        """A copy at `step` (time `now`): the seconds per step since the last one (0.0 for
+        the first), and the interval before it where the agreed measures changed it."""
+        before = self.every
+        if self.agreed is not None:  # up to the previous copy's: the same on every rank
+            self.every = auto_interval(self.every, *self.agreed)
+        step_s = 0.0
+        if self._since is not None and step > self._since[0]:
+            step_s = (now - self._since[1]) / (step - self._since[0])
+        self._since, self.next = (step, now), step + self.every
+        return step_s, before if self.every != before else None
+
+    def agree(self, cost_s: float, step_s: float) -> None:
+        """What one copy cost and the step time before it, as the ranks agreed them."""
+        if step_s <= 0:  # no step time: a group's first copy
+            return
+        costs, steps_s, n = self._sums
+        self._sums = (costs + cost_s, steps_s + step_s, n + 1)
+        self.agreed = (self._sums[0] / (n + 1), self._sums[1] / (n + 1))
+
+
 class PeerSnapshots:
     """A worker's snapshots. It outlives the loop and the process group they were taken in,
     so that a survivor can go back after the group it trained in is gone; from the end of
@@ -72,11 +112,12 @@ class PeerSnapshots:
         self._taken: int | None = None  # the step last snapshotted in the current group
         self._gen = 0  # which group's thread may still change what is kept
         self._lock = threading.Lock()
-        self._next = 0  # auto: the step of the next snapshot
-        self._since: tuple[int, float] | None = None  # auto: (step, time) of the last one in this group
-        # auto: the group's means of (cost s, s per step), each snapshot's the most of any rank
-        self.agreed: tuple[float, float] | None = None
-        self._sums = (0.0, 0.0, 0)
+        # auto: from the group's (cost s, s per step) of each snapshot, the most of any rank
+        self.interval = AutoInterval()
+
+    @property
+    def agreed(self) -> tuple[float, float] | None:
+        return self.interval.agreed
 
     # ------------------------------------------------------------------ in a group
 
@@ -90,7 +131,8 @@ class PeerSnapshots:
         self._group = new_gloo_group() if dist.is_initialized() and world_size > 1 else None
         self._thread, self._error, self._taken = None, None, None
         if self.auto:  # measured anew in each group: its ranks agree on what they measured
-            self.every, self._since, self.agreed, self._sums = AUTO_FIRST, None, None, (0.0, 0.0, 0)
+            self.interval.reset()
+            self.every = self.interval.every
 
     def due(self, step: int) -> bool:
         """At the first step boundary in a group (but step 0: a fresh optimizer has no state
@@ -100,7 +142,7 @@ class PeerSnapshots:
             return False
         if self._taken is None:
             return True
-        return step >= self._next if self.auto else step % self.every == 0
+        return self.interval.due(step) if self.auto else step % self.every == 0
 
     def take(self, step: int, state: dict[str, Any]) -> dict[str, Any] | None:
         """Snapshot `state` (the state after `step`): copied to host memory now, serialised
@@ -112,14 +154,10 @@ class PeerSnapshots:
         started = time.perf_counter()
         step_s, event = 0.0, None
         if self.auto:
-            if self.agreed is not None:  # up to the previous exchange: the same on every rank
-                every, self.every = self.every, auto_interval(self.every, *self.agreed)
-                if self.every != every:
-                    event = {"event": "snapshot_interval", "step": step, "steps": self.every,
-                             "cost_s": round(self.agreed[0], 4), "step_s": round(self.agreed[1], 4)}
-            if self._since is not None and step > self._since[0]:
-                step_s = (started - self._since[1]) / (step - self._since[0])
-            self._since, self._next = (step, started), step + self.every
+            step_s, changed = self.interval.taken(step, started)
+            self.every = self.interval.every
+            if changed is not None:
+                event = interval_event(step, self.interval)
         host = to_cpu(state)
         self._thread = threading.Thread(target=self._exchange,
                                         args=(self._gen, step, host, fresh, time.perf_counter() - started, step_s),
@@ -167,10 +205,8 @@ class PeerSnapshots:
                 # Both ways done on this rank: the older steps are no longer needed here.
                 self.own = {s: d for s, d in self.own.items() if s >= step}
                 self.peer = {s: d for s, d in self.peer.items() if s >= step}
-                if measured is not None and measured[1] > 0:  # a step time: not a group's first
-                    costs, steps_s, n = self._sums
-                    self._sums = (costs + float(measured[0]), steps_s + float(measured[1]), n + 1)
-                    self.agreed = (self._sums[0] / (n + 1), self._sums[1] / (n + 1))
+                if measured is not None:
+                    self.interval.agree(float(measured[0]), float(measured[1]))
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next take
             if gen == self._gen:
                 self._error = exc
@@ -216,6 +252,13 @@ class PeerSnapshots:
         if data is None:
             raise KeyError(f"rank {rank} holds no copy of rank {(rank - 1) % world}'s snapshot of step {step}")
         return Snapshot(step, (rank - 1) % world, data.numpy().tobytes())
+
+
+def interval_event(step: int, interval: AutoInterval) -> dict[str, Any]:
+    """The driver's record of an interval `auto` chose (events.jsonl)."""
+    cost_s, step_s = interval.agreed
+    return {"event": "snapshot_interval", "step": step, "steps": interval.every, "cost_s": round(cost_s, 4),
+            "step_s": round(step_s, 4)}
 
 
 def load(snapshot: Snapshot) -> dict[str, Any]:

@@ -58,7 +58,7 @@ from . import _internals, loopshards, scratch
 from .dist import all_reduce_sum
 from .loop import Loop
 from .saver import CheckpointSaver
-from .snapshot import PeerSnapshots, check_memory, state_bytes
+from .snapshot import AutoInterval, PeerSnapshots, check_memory, interval_event, state_bytes
 from .strategy import build_strategy
 from .validation import ReportValidations
 
@@ -112,6 +112,12 @@ class UserLoop:
         # Sharded: every report with state is a peer snapshot too (off: failure.snapshot_every_n_steps 0).
         self.snapshots = snapshots if not self.replicated and snapshots is not None and snapshots.every else None
         self._memory_checked = False
+        # ctx.state_due: how often reports carry the state, from what a copy costs (the
+        # integrations' state_every="auto"), measured at each report with state and agreed
+        # in the next report's all-reduce.
+        self.state_interval = AutoInterval()
+        self._measured = (0.0, 0.0)  # this rank's (copy s, s per step) of the last copy, not yet agreed
+        self.state_asked = False  # the loop asks ctx.state_due: a changed interval is an event
         if self.snapshots is not None:
             self.snapshots.bind(rank, world_size)
         if state is not None:
@@ -124,6 +130,8 @@ class UserLoop:
         recovery or a resize, it runs fn again from the state held."""
         self.paused = self._pause_agreed = False
         self._reported = self.step
+        self.state_interval.reset()  # on every rank, as fn starts again on every rank
+        self._measured = (0.0, 0.0)
         if self.rank == 0:
             self._rows([row for row in self._history if row["step"] <= self.step])
         ctx = LoopContext(self)
@@ -226,11 +234,13 @@ class UserLoop:
                                 "one-element tensors or strings")
         keys = sorted(numeric)
         flags = [float(state is not None), float(self.pause_requested)]
-        values = torch.tensor([numeric[k] for k in keys] + flags, dtype=torch.float64)
+        values = torch.tensor([numeric[k] for k in keys] + list(self._measured) + flags, dtype=torch.float64)
         with self._phase("collective"):
             sums = all_reduce_sum(values).tolist()  # every rank reaches this report, or none goes past it
         everyone_has_state = sums[-2] == self.world_size
         self._pause_agreed |= sums[-1] > 0
+        self.state_interval.agree(sums[-4] / self.world_size, sums[-3] / self.world_size)
+        self._measured = (0.0, 0.0)
         self._reported = step
         self.progress += 1
         row = {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time()}
@@ -238,12 +248,8 @@ class UserLoop:
         row.update({k: total / self.world_size for k, total in zip(keys, sums)})
         self._history.append(row)  # first: a snapshot of this report holds its row
         if everyone_has_state:  # after the all-reduce: every rank reached this report
-            if self.replicated:
-                self.held = _copy_state(state)
-            else:
-                self.held, self.layout = loopshards.take(_state_dicts(state))
+            self._hold(step, state)
             self.step, self.epoch, self.checkpoint = step, epoch, None
-            self._snapshot()
         if self.rank == 0:
             self._rows([row])
             loss = row.get("loss")
@@ -264,6 +270,20 @@ class UserLoop:
                 self._save()
                 self.saver.finish()
             raise Paused()
+
+    def _hold(self, step: int, state: dict[str, Any]) -> None:
+        """Copy the state reported (and snapshot it, sharded), measuring what that costs."""
+        started = time.perf_counter()
+        step_s, changed = self.state_interval.taken(step, started)
+        if changed is not None and self.state_asked and self.rank == 0:
+            self.notify(interval_event(step, self.state_interval))
+        if self.replicated:
+            self.held = _copy_state(state)
+        else:
+            self.held, self.layout = loopshards.take(_state_dicts(state))
+        self.step = step  # the snapshot's
+        self._snapshot()
+        self._measured = (time.perf_counter() - started, step_s)
 
     def _snapshot(self) -> None:
         """Sharded: the state just held goes to the next rank's memory too, before the report
@@ -397,6 +417,16 @@ class LoopContext:
         while training goes on (trainer.validation.resources); they arrive as this step's
         val_* row."""
         self._loop.report(metrics, state, checkpoint, validate)
+
+    def state_due(self, step: int) -> bool:
+        """Whether to give the state with the report of `step`, where you let raytrainer
+        choose how often (the integrations' state_every="auto"): every interval at which the
+        copies take about 2% of the time (as failure.snapshot_every_n_steps auto does for a
+        Task), measured in the run, and the same answer on every rank. A failure costs up to
+        that many steps (5 until the first measures; a "snapshot_interval" event says each
+        interval chosen)."""
+        self._loop.state_asked = True
+        return self._loop.state_interval.due(step)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this worker's device, wrapped for the configured strategy

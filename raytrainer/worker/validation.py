@@ -42,7 +42,7 @@ from ..config import DataConfig, TaskConfig, TrainerConfig
 from ..data import batch_size_of, to_device
 from ..errors import ConfigError, TaskError
 from .dist import all_reduce_sum
-from .input import ValInput
+from .input import ValInput, collate_of
 from .outputs import StepOutputs
 
 if TYPE_CHECKING:
@@ -113,7 +113,8 @@ class ValidationActor:
     """One validation worker: builds the task's model and validation set once, then
     validates the weights it is handed, one shard at a time."""
 
-    def __init__(self, task: TaskConfig, trainer: TrainerConfig, most_workers: int, threads: int, gpu: bool):
+    def __init__(self, task: TaskConfig, trainer: TrainerConfig, most_workers: int, threads: int, gpu: bool,
+                 collate_fn: str | None = None):
         from ..task import build_task
         from .strategy import build_strategy
 
@@ -123,7 +124,7 @@ class ValidationActor:
         torch.manual_seed(trainer.seed)
         # The module as the training workers build it (SyncBatchNorm where they convert it).
         self.model = build_strategy(trainer, most_workers, self.task).prepare(self.task.build_model(), self.device)
-        self.data = ValInput(self.task.val_dataset(), DataConfig(), self.device)
+        self.data = ValInput(self.task.val_dataset(), DataConfig(), self.device, collate_of(self.task, collate_fn))
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
 
     def pid(self) -> int:
@@ -156,8 +157,9 @@ class AsyncValidation:
     take the same steps' validations and agree on early stopping); rank 0's starts the
     validation actors and talks to them."""
 
-    def __init__(self, loop: Loop, cfg: TrainerConfig, task: TaskConfig, most_workers: int):
-        self.loop, self.cfg, self.task_cfg = loop, cfg.validation, task
+    def __init__(self, loop: Loop, cfg: TrainerConfig, task: TaskConfig, most_workers: int,
+                 collate_fn: str | None = None):
+        self.loop, self.cfg, self.task_cfg, self.collate_fn = loop, cfg.validation, task, collate_fn
         self.trainer_cfg, self.most_workers = cfg, most_workers
         self.pending: deque[_Pending] = deque()
         self.actors: list[Any] = []
@@ -177,14 +179,15 @@ class AsyncValidation:
             self._start()
 
     @classmethod
-    def build(cls, loop: Loop, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int) -> AsyncValidation | None:
+    def build(cls, loop: Loop, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int,
+              collate_fn: str | None = None) -> AsyncValidation | None:
         if not cfg.validation.async_ or loop.val_data is None or task is None or cfg.fast_dev_run:
             return None
         if not loop.strategy.replicated:
             loop.notify({"event": "note", "step": loop.step, "note": "trainer.validation.async is not "
                          "supported with trainer.strategy=fsdp (sharded weights): validating synchronously"})
             return None
-        return cls(loop, cfg, task, most_workers)
+        return cls(loop, cfg, task, most_workers, collate_fn)
 
     # -------------------------------------------------------------- the loop's hooks
 
@@ -296,7 +299,8 @@ class AsyncValidation:
         remote = ray.remote(ValidationActor).options(
             num_cpus=cpus, num_gpus=gpus, resources=resources or None,
             max_restarts=RETRIES, max_task_retries=RETRIES)
-        return remote.remote(self.task_cfg, self.trainer_cfg, self.most_workers, int(cpus), gpus > 0)
+        return remote.remote(self.task_cfg, self.trainer_cfg, self.most_workers, int(cpus), gpus > 0,
+                             self.collate_fn)
 
     def _take(self, wait: bool) -> None:
         """Collect finished shards; report the validations that are complete, oldest first."""
