@@ -173,12 +173,12 @@ def test_the_console_says_each_recovery_with_the_failures_it_recovered_from():
     stream.truncate()
     bar.event({"event": "worker_failed", "step": 7, "rank": 0, "node": "10.0.0.1", "kind": "error",
                "cause": "ValueError: bad batch\nmore", "traceback": "Traceback ...\nValueError: bad batch"})
-    bar.event({"event": "recovered", "step": 5, "seconds": 1.5, "steps_lost": 2, "failures": 2,
-               "state_from": "checkpoint", "from_checkpoint": "step-00000005"})
+    bar.event({"event": "recovered", "step": 5, "seconds": 1.5, "steps_lost": 2, "failures": 2, "losses": 1,
+               "faults": 1, "state_from": "checkpoint", "from_checkpoint": "step-00000005"})
     assert stream.getvalue().splitlines() == [
         "raytrainer: rank 0 (10.0.0.1) failed at step 7: ValueError: bad batch (its traceback: events.jsonl)",
         "raytrainer: recovered at step 5 in 1.50 s from checkpoint step-00000005, 2 step(s) lost "
-        "(2 failure(s) so far)"]
+        "(so far 1 lost worker(s), 1 fault(s))"]
     # The failure the run ends on: nothing here, the run raises it.
     stream.seek(0)
     stream.truncate()

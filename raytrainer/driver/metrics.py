@@ -429,6 +429,13 @@ class ProgressBar(Sink):
             self._draw(final=True)
 
 
+def _so_far(e: dict[str, Any]) -> str:
+    """A recovery's counts by budget: lost workers (the cluster's), faults (the run's own)."""
+    if "losses" not in e:
+        return f"{e['failures']} failure(s) so far"
+    return f"so far {e['losses']} lost worker(s), {e['faults']} fault(s)"
+
+
 def notice(e: dict[str, Any]) -> str | None:
     """The console's line for an event the user should see as it happens; None for the
     others (events.jsonl has them all)."""
@@ -445,7 +452,7 @@ def notice(e: dict[str, Any]) -> str | None:
                   "checkpoint": f"checkpoint {e.get('from_checkpoint')}",
                   "start": "the start (no checkpoint committed yet)"}.get(e.get("state_from"), e.get("state_from"))
         return (f"raytrainer: recovered at step {step} in {e['seconds']:.2f} s from {source}, "
-                f"{e['steps_lost']} step(s) lost ({e['failures']} failure(s) so far)")
+                f"{e['steps_lost']} step(s) lost ({_so_far(e)})")
     if kind == "resized":
         return (f"raytrainer: {e['old_world_size']} -> {e['new_world_size']} workers at step {step} "
                 f"(paused {e['seconds']:.2f} s): {e['cause']}")
