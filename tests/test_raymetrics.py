@@ -5,6 +5,7 @@ Ray of its own with metrics on, scraped from the Prometheus endpoint."""
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -171,3 +172,15 @@ def test_a_run_is_in_rays_prometheus_endpoint(tmp_path):
             "ray_raytrainer_world_size"} <= series, lines
     step = next(line for line in lines if line.startswith("ray_raytrainer_step{"))
     assert float(step.rsplit(" ", 1)[1]) == 4  # 128 samples / 32 a step
+
+
+def test_the_grafana_dashboard_shows_every_series_and_only_those():
+    from raytrainer.driver.raymetrics import COUNTERS, GAUGES
+
+    dashboard = json.loads((Path(__file__).parents[1] / "cluster" / "grafana" / "raytrainer.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\bray_raytrainer_\w+", target["expr"])}
+    # Ray's naming: its prefix on every name, and a counter's _total; goodput is the ledger's, by the hook.
+    exported = ({f"ray_raytrainer_{name}" for name in [*GAUGES, "goodput"]}
+                | {f"ray_raytrainer_{name}_total" for name in COUNTERS})
+    assert queried == exported
