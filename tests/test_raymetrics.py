@@ -86,6 +86,8 @@ def test_rows_and_events_become_the_runs_series():
     assert backend.latest("raytrainer_failures_by_cause", cause="fault") == 0.0
     hub.event({"event": "resized", "time": 107.0, "step": 30, "old_world_size": 2, "new_world_size": 1})
     assert backend.latest("raytrainer_world_size") == 1
+    hub.event({"event": "finished", "time": 108.0, "step": 40})
+    assert backend.latest("raytrainer_steps_per_s") == 0.0 and backend.latest("raytrainer_samples_per_s") == 0.0
     # Ray's tag keys are fixed per metric: the run's, and the cause's where there is one.
     assert ("raytrainer_worker_failures", ("run", "kind")) in backend.made
 

@@ -115,6 +115,8 @@ class RayMetricsSink(Sink):
             for cause, key in (("loss", "losses"), ("fault", "faults")):
                 if isinstance(record.get(key), int):
                     self._set("failures_by_cause", float(record[key]), {"cause": cause})
+        elif kind in ("finished", "failed", "stopped"):  # the last rates would stand while the driver exits
+            self._pending.update(steps_per_s=0.0, samples_per_s=0.0)
         elif kind in ("group_formed", "resized"):
             size = record.get("world_size", record.get("new_world_size"))
             if isinstance(size, int):
