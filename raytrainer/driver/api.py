@@ -29,6 +29,7 @@ from ..errors import ConfigError, Stopped, warn
 from ..task import describe
 from .loggers import build_loggers
 from .metrics import EventLog, JsonlWriter, MetricsHub, ProgressBar, RunInfo, SinkStates
+from .raymetrics import RayMetricsSink
 
 
 @dataclass
@@ -508,7 +509,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
     loggers = build_loggers(config.loggers, warn=_warn)  # then nothing started yet needs stopping
     events = EventLog(run_dir / "events.jsonl")
     bar = ProgressBar() if progress else None
-    sinks = [JsonlWriter(run_dir / "metrics.jsonl")] + ([bar] if bar else []) + loggers
+    # Ray's metrics: on wherever the joined Ray exports them (raymetrics.py), else a no-op.
+    sinks = [JsonlWriter(run_dir / "metrics.jsonl")] + ([bar] if bar else []) + [RayMetricsSink()] + loggers
     hub = MetricsHub(sinks, RunInfo(run_dir, config.run.name, config.to_dict(),
                                     resumed=resume is not None or takeover is not None,
                                     states=SinkStates(run_dir)))

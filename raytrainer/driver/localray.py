@@ -71,7 +71,8 @@ RAY_SETTINGS = {
     # dashboard runs): every control call to a worker made some, kept by the GCS.
     "RAY_task_events_report_interval_ms": "0",
     # No metrics recorded and exported every 10 s by each process, gathered by the
-    # dashboard agent every 5 s (nothing scrapes them: no dashboard, no Prometheus).
+    # dashboard agent every 5 s (nothing scrapes them: no dashboard, no Prometheus). Set it to 1
+    # to have the run in Ray's Prometheus (raymetrics.py, docs/tracking.md).
     "RAY_enable_metrics_collection": "0",
     # No timing of every handler of every event loop (Ray's debug stats).
     "RAY_event_stats": "0",
