@@ -59,7 +59,7 @@ def _start_commands(config):
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_every_nodes_ray_starts_with_the_settings_a_ray_raytrainer_starts_has(path):
-    from raytrainer.driver.localray import RAY_SETTINGS
+    from raytrainer.driver.localray import CLUSTER_SETTINGS as RAY_SETTINGS
 
     config = yaml.safe_load(path.read_text())
     starts = [c for c in _start_commands(config) if "ray start" in c]
@@ -118,7 +118,7 @@ def test_the_rayjob_runs_the_rayclusters_spec():
 
 
 def test_the_kuberay_pods_are_what_raytrainer_relies_on():
-    from raytrainer.driver.localray import RAY_SETTINGS
+    from raytrainer.driver.localray import CLUSTER_SETTINGS as RAY_SETTINGS
 
     spec = kube("raycluster.yaml")["spec"]
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no worker lands on the head

@@ -80,7 +80,11 @@ RAY_SETTINGS = {
 }
 """What a Ray that raytrainer starts runs with (read from the environment by the processes
 it starts); a variable already set in the environment wins. A cluster started with `ray
-start` runs with what it was started with: the same variables, set for `ray start`."""
+start` runs with what it was started with: CLUSTER_SETTINGS, set for `ray start`."""
+
+CLUSTER_SETTINGS = {k: v for k, v in RAY_SETTINGS.items() if k != "RAY_enable_metrics_collection"}
+"""What the cluster files in cluster/ start every node with: a cluster's Ray keeps its
+metrics, as its dashboard and Prometheus are watched there (the run's own series too)."""
 
 KEEPER_SETTINGS = {
     # No idle workers started for the first driver: the keeper is that driver, and it never
