@@ -3,6 +3,7 @@ the shared modules, and the driver does not load torch."""
 
 import ast
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +228,12 @@ def test_the_readme_task_runs_its_model_once_a_step_and_train_keeps_the_local_ra
     assert step.count("model(") == 1, step
     doc = " ".join(raytrainer.train.__doc__.split())
     assert "left up after the run" in doc and "stops it after" not in doc.replace("stopped after it", "")
+
+
+def test_the_readme_is_a_guide_of_at_most_450_lines_with_no_days_timings():
+    """Measurements live in docs/results/ (dated) and docs/benchmarks.md (current), linked;
+    the README keeps one current table, whose caption names its day and machine."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert len(readme.splitlines()) <= 450
+    dated = [line for line in readme.splitlines() if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert len(dated) <= 1, dated
