@@ -248,8 +248,6 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(path: Path) -> set[str]:
-    import re
-
     seen: dict[str, int] = {}
     out = set()
     fenced = False
@@ -285,7 +283,7 @@ def broken_links(path: Path) -> list[str]:
 
 def test_every_relative_link_in_the_docs_points_to_a_file_and_heading_that_exist():
     root = PACKAGE.parent
-    paths = sorted((root / "docs").rglob("*.md")) + [root / "cluster" / "README.md"]
+    paths = [root / "README.md", root / "cluster" / "README.md"] + sorted((root / "docs").rglob("*.md"))
     broken = [b for p in paths for b in broken_links(p)]
     assert broken == [], "broken links:\n" + "\n".join(broken)
 
