@@ -237,3 +237,60 @@ def test_the_readme_is_a_guide_of_at_most_450_lines_with_no_days_timings():
     assert len(readme.splitlines()) <= 450
     dated = [line for line in readme.splitlines() if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
     assert len(dated) <= 1, dated
+
+
+# ---------------------------------------------------------------------------- the docs' links
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6} (.*)", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def broken_links(path: Path) -> list[str]:
+    """Every relative Markdown link in `path` whose file is missing, or whose #anchor no
+    heading of that file slugs to."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{path.relative_to(PACKAGE.parent)}: {target} (no such file)")
+        elif anchor and (dest.is_dir() or anchor not in _anchors(dest)):
+            broken.append(f"{path.relative_to(PACKAGE.parent)}: {target} (no such heading)")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_points_to_a_file_and_heading_that_exist():
+    root = PACKAGE.parent
+    paths = [root / "README.md", root / "cluster" / "README.md"] + sorted((root / "docs").rglob("*.md"))
+    broken = [b for p in paths for b in broken_links(p)]
+    assert broken == [], "broken links:\n" + "\n".join(broken)
+
+
+def test_the_link_check_slugs_headings_as_github_does():
+    assert _slug("On a GPU: `bash .ci/gpu.sh`") == "on-a-gpu-bash-cigpush"
+    assert _slug("The kept Ray's start, a third time: the minimal agent late too (2026-11-30)") == \
+        "the-kept-rays-start-a-third-time-the-minimal-agent-late-too-2026-11-30"
+    assert _slug("FSDP: the fast path beside exact, at ~100 MB of state (2026-11-26)") == \
+        "fsdp-the-fast-path-beside-exact-at-100-mb-of-state-2026-11-26"
