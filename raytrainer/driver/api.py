@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import itertools
@@ -13,6 +14,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -23,7 +25,7 @@ from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
 from ..config.taskargs import annotations_of, typed_args
 from ..contract import Resume
-from . import identity as identities, localray, stopexit
+from . import identity as identities, ledger, localray, stopexit
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError, Stopped, warn
 from ..task import describe
@@ -60,6 +62,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     """
     import ray
 
+    launched = time.time()  # the goodput ledger's start: Ray's start and the loading count as starting
     stem, source = None, config
     if not isinstance(config, Config):
         config, payload, stem = _by_value(config)
@@ -110,7 +113,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             _say_which(shown, run_dir, resume, takeover)
             if identity is not None:
                 _record_identity(storage, name, run_dir, identity)
-            return _run(config, storage, run_dir, resume, progress=progress, takeover=takeover,
+            return _run(config, storage, run_dir, resume, progress=progress, takeover=takeover, launched=launched,
                         cluster_can_grow=not localray.started_here(), callbacks=list(callbacks),
                         listeners=[way_out.event])
         finally:
@@ -490,9 +493,17 @@ class _UploadLogs(Callback):
             _warn(str(exc).replace("the run trained to its end, but ", ""))
 
 
+def _write_ledger(run_dir: Path) -> None:
+    """goodput.json, failed and stopped runs included; a disk that is full only warns."""
+    try:
+        ledger.write(run_dir)
+    except OSError as exc:
+        _warn(f"the goodput ledger could not be written to {run_dir} ({exc})")
+
+
 def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
          progress: bool, cluster_can_grow: bool, callbacks: list[Any], takeover: Any = None,
-         listeners: Iterable[Any] = ()) -> Result:
+         listeners: Iterable[Any] = (), launched: float | None = None) -> Result:
     import ray
 
     from .group import RayWorkerGroup
@@ -525,7 +536,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
                                      + ([_CheckpointArtifacts(hub)] if storage.local else []))
         records = Records(hub=hub, events=events, progress=bar, callbacks=driver_callbacks,
                           context=RunContext(run_dir, config))
-        controller = Controller(group, ControllerSettings.of(config), records, resume=resume, takeover=takeover,
+        settings = dataclasses.replace(ControllerSettings.of(config), launched=launched)
+        controller = Controller(group, settings, records, resume=resume, takeover=takeover,
                                 restore=lambda before=None: _latest(config, storage, before))
         try:
             with _stop_on_signals(controller):
@@ -540,6 +552,7 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
     finally:
         hub.close()
         events.close()
+        _write_ledger(run_dir)
         if upload:
             upload.final_upload()
     return Result(run_dir=run_dir, metrics=dict(hub.latest), history=hub.history, events=events.events)
