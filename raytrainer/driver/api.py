@@ -89,7 +89,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         previous = _continued(config, storage, stem, identity) if config.run.resume == "auto" else None
         config.run.name = previous or _new_name(storage, stem)
     name = config.run.name
-    lock, shown = _lock_of(storage, name)
+    lock, shown = lock_of(storage, name)
     with _held(lock, shown):
         run_dir = lock.parent if storage.local else _local_mirror(storage, name)
         # Its workers may wait for a new driver (failure.driver_grace_s), taken over where the run
@@ -248,7 +248,7 @@ def _continued(config: Config, storage: Storage, stem: str, identity: identities
     previous = identities.find(storage, stem, identity)
     if previous is None:
         return None
-    lock, shown = _lock_of(storage, previous.name)
+    lock, shown = lock_of(storage, previous.name)
     if previous.ended == "finished":
         _say(f"the last run of this config, {shown}, {previous.how}: starting a new run")
         return None
@@ -266,7 +266,7 @@ def _continued(config: Config, storage: Storage, stem: str, identity: identities
     return previous.name
 
 
-def _lock_of(storage: Storage, name: str) -> tuple[Path, str]:
+def lock_of(storage: Storage, name: str) -> tuple[Path, str]:
     """The file that holds run `name` for one process (_held), and the run directory as shown."""
     if storage.local:
         return Path(storage.root) / name / ".lock", str(Path(storage.root) / name)
