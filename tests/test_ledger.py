@@ -5,8 +5,9 @@ wall time and each matches its events."""
 import json
 
 import pytest
+import yaml
 
-import raytrainer
+from raytrainer.driver.cli import main
 from raytrainer.driver.ledger import BUCKETS, ledger
 
 from .conftest import assert_no_leaks
@@ -107,16 +108,21 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_real_run_with_a_kill_a_checkpoint_and_validation(ray_local, tmp_path):
+def test_a_real_run_with_a_kill_a_checkpoint_and_validation(ray_local, tmp_path, capsys):
+    """Through the CLI, which prints the ledger at the end; then `runs` and `show` of it."""
     cfg = {"task": {"target": "tests.tasks:RegressionTask", "args": {}},
            "trainer": {"max_steps": 16, "global_batch_size": 32, "log_every_n_steps": 4,
                        "validation": {"every_n_steps": 5}},
            "scaling": {"num_workers": 2}, "checkpoint": {"every_n_steps": 6},
            "failure": {"chaos": [{"action": "kill", "step": 9, "rank": 1}], "step_timeout_s": 4},
            "run": {"name": "gp", "storage": str(tmp_path)}}
-    result = raytrainer.train(cfg, progress=False)
-    saved = json.loads((result.run_dir / "goodput.json").read_text())
-    events, train = result.events, [r for r in read(result.run_dir / "metrics.jsonl") if "loss" in r]
+    (tmp_path / "gp.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(tmp_path / "gp.yaml"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    run_dir = tmp_path / "gp"
+    saved = json.loads((run_dir / "goodput.json").read_text())
+    assert f"goodput {saved['goodput']:.1%}" in printed and "recovering (1 failure: 1 died)" in printed
+    events, train = read(run_dir / "events.jsonl"), [r for r in read(run_dir / "metrics.jsonl") if "loss" in r]
     start = events[0]["launched"]
     wall = events[-1]["time"] - start
     buckets = saved["buckets"]
@@ -134,4 +140,11 @@ def test_a_real_run_with_a_kill_a_checkpoint_and_validation(ray_local, tmp_path)
     assert 0 < buckets["checkpoint"] <= sum(e["blocked_s"] for e in saves) + 1e-3
     assert buckets["validation"] > 0 and buckets["training"] > 0
     assert saved["failures"] == {"died": 1} and saved["attempts"] == 1
+
+    assert main(["runs", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[1].split()[:4] == ["gp", "finished", "16", f"{saved['goodput']:.1%}"]
+    assert main(["show", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "finished at step 16" in shown and "1 recovered from: 1 lost worker(s)" in shown
     assert_no_leaks()
