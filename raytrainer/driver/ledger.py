@@ -53,13 +53,16 @@ class Ledger:
     """Failures recovered from, by kind (worker_failed's: died, hung, error; preempted: left_node)."""
     step_s: float | None = None
     """The median training step: what a lost step costs to do again."""
+    spans: list[tuple[float, float, str]] = field(default_factory=list, repr=False)
+    """(from, to, bucket) in time.time() seconds, what is not training: for a timeline (plot.py),
+    the holds placed right after their step's row. Not in goodput.json."""
 
     @property
     def goodput(self) -> float:
         return self.buckets["training"] / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items() if k != "spans"}
         return {"goodput": round(self.goodput, 4), **fields, "buckets": {k: round(v, 4) for k, v in self.buckets.items()}}
 
     def lines(self) -> list[str]:
@@ -111,6 +114,7 @@ def ledger(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Ledger:
         out.wall_s += end - start
         out.below_size_s += _below_size(attempt, end)
         out.failures.update(part.failures)
+        out.spans += part.spans
         last_step = mine[-1]["step"] if mine else last_step
     out.failures = dict(out.failures)
     return out
@@ -158,19 +162,25 @@ class _Attempt:
         self.failures: Counter[str] = Counter()
         self.recovery_steps: set[int] = set()  # rows whose after-step work fell in a recovery
         self.recovery_spans: list[tuple[float, float]] = []
+        self.spans: list[tuple[float, float, str]] = []
 
     def account(self, start: float, end: float, previous_last_step: int | None) -> None:
         if not self.train:  # never reached a step: all of it starting (or stopping after a failure)
             self.buckets["starting"] = end - start
+            self.spans.append((start, end, "starting"))
             return
         first, last = self.train[0], self.train[-1]
         self.buckets["starting"] = first["time"] - start
         self.buckets["stopping"] = max(0.0, end - last["time"])
         self.buckets["training"] = last["time"] - first["time"]
+        self.spans += [(start, first["time"], "starting"), (last["time"], end, "stopping")]
         self._recoveries()
-        self._resumed(previous_last_step)
+        self._resumed(previous_last_step, first["time"])
+        at = {r["step"]: r["time"] for r in self.train}
         for step, seconds, bucket in self._holds():
-            self._take(self._part(step, first["step"], last["step"]), bucket, seconds)
+            taken = self._take(self._part(step, first["step"], last["step"]), bucket, seconds)
+            if taken > 0 and step in at:
+                self.spans.append((at[step], at[step] + taken, bucket))
 
     def _recoveries(self) -> None:
         failed_at: float | None = None
@@ -200,13 +210,16 @@ class _Attempt:
         self.buckets["recovering"] += length - redone
         self.recovery_steps.add(before[-1]["step"])
         self.recovery_spans.append((before[-1]["time"], after[0]["time"]))
+        began, redone_from = before[-1]["time"], before[-1]["time"] + length - redone
+        self.spans += [(began, redone_from, "recovering"), (redone_from, redone_from + redone, "recomputed")]
 
-    def _resumed(self, previous_last_step: int | None) -> None:
+    def _resumed(self, previous_last_step: int | None, first: float) -> None:
         """A resume from a checkpoint does again the steps the last attempt did after it."""
         resumed = next((e for e in self.events if e.get("event") == "resumed"), None)
         if resumed is None or previous_last_step is None or not isinstance(resumed.get("step"), int):
             return
-        self._take("training", "recomputed", max(0, previous_last_step - resumed["step"]) * self.step_s)
+        taken = self._take("training", "recomputed", max(0, previous_last_step - resumed["step"]) * self.step_s)
+        self.spans.append((first, first + taken, "recomputed"))
 
     def _holds(self) -> list[tuple[int, float, str]]:
         """(step, seconds, bucket) of every pause the events and rows measure."""
@@ -244,10 +257,11 @@ class _Attempt:
             return "starting"
         return "recovering" if step in self.recovery_steps else "training"
 
-    def _take(self, source: str, bucket: str, seconds: float) -> None:
+    def _take(self, source: str, bucket: str, seconds: float) -> float:
         taken = max(0.0, min(seconds, self.buckets[source]))
         self.buckets[source] -= taken
         self.buckets[bucket] += taken
+        return taken
 
 
 def _below_size(attempt: list[dict[str, Any]], end: float) -> float:
@@ -263,14 +277,10 @@ def _below_size(attempt: list[dict[str, Any]], end: float) -> float:
     return total + (end - since if since is not None else 0.0)
 
 
-def read_jsonl(text: str) -> list[dict[str, Any]]:
-    return parse_events(text)
-
-
 def of_dir(run_dir: Path) -> Ledger:
     def read(name: str) -> list[dict[str, Any]]:
         try:
-            return read_jsonl((run_dir / name).read_text(errors="replace"))
+            return parse_events((run_dir / name).read_text(errors="replace"))
         except OSError:
             return []
 
