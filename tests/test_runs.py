@@ -4,6 +4,7 @@ directories: each state from the last event and the run's lock, the ledger, fail
 import json
 
 import pytest
+import yaml
 
 from raytrainer.driver import localray
 from raytrainer.driver.cli import main
@@ -12,8 +13,9 @@ from raytrainer.driver.cli import main
 def write_run(storage, name, events, rows=(), workers=2):
     run = storage / name
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text(f"task:\n  target: tests.tasks:RegressionTask\nscaling:\n  num_workers: {workers}\n"
-                                     "trainer:\n  max_steps: 10\n  global_batch_size: 32\n  strategy: ddp\n")
+    (run / "config.yaml").write_text(yaml.safe_dump({
+        "task": {"target": "tests.tasks:RegressionTask"}, "scaling": {"num_workers": workers},
+        "trainer": {"max_steps": 10, "global_batch_size": 32, "strategy": "ddp"}}))
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
@@ -68,8 +70,8 @@ def test_runs_of_an_empty_or_missing_storage_says_so(tmp_path, capsys):
 
 
 def test_show_prints_config_metrics_ledger_and_failures_by_cause(tmp_path, capsys):
-    failures = [ev("worker_failed", 104.5, 5, kind="died", rank=1), ev("recovered", 105, 5, seconds=0.5, steps_lost=0,
-                                                                        failures=1, losses=1, faults=0, cause="rank 1 died"),
+    failures = [ev("worker_failed", 104.5, 5, kind="died", rank=1),
+                ev("recovered", 105, 5, seconds=0.5, steps_lost=0, failures=1, losses=1, faults=0, cause="rank 1 died"),
                 ev("worker_failed", 107.5, 7, kind="error", rank=0),
                 ev("recovered", 108, 7, seconds=0.5, steps_lost=1, failures=2, losses=1, faults=1,
                    cause="rank 0 raised RuntimeError")]

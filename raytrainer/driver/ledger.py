@@ -50,7 +50,8 @@ class Ledger:
     below_size_s: float = 0.0
     """Training time spent below the run's size, waiting for capacity."""
     failures: dict[str, int] = field(default_factory=dict)
-    """Failures recovered from, by kind (worker_failed's: died, hung, error; preempted: left_node)."""
+    """Failures by kind (worker_failed's: died, hung, error; preempted: left_node), peers only
+    interrupted by one not counted."""
     step_s: float | None = None
     """The median training step: what a lost step costs to do again."""
     spans: list[tuple[float, float, str]] = field(default_factory=list, repr=False)
@@ -63,7 +64,8 @@ class Ledger:
 
     def to_dict(self) -> dict[str, Any]:
         fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items() if k != "spans"}
-        return {"goodput": round(self.goodput, 4), **fields, "buckets": {k: round(v, 4) for k, v in self.buckets.items()}}
+        buckets = {k: round(v, 4) for k, v in self.buckets.items()}
+        return {"goodput": round(self.goodput, 4), **fields, "buckets": buckets}
 
     def lines(self) -> list[str]:
         """Two lines at most: the goodput and what took the rest, largest first; then the

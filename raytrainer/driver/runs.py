@@ -77,7 +77,7 @@ def _holder(storage: Storage, name: str) -> str | None:
     return None
 
 
-def open_storage(where: str, what: str) -> Storage:
+def _open(where: str, what: str) -> Storage:
     filesystems.check(what, where)
     try:
         return Storage(where)
@@ -87,10 +87,10 @@ def open_storage(where: str, what: str) -> Storage:
 
 def list_runs(where: str) -> list[str]:
     """A line a run under storage `where` (a directory with a config.yaml), oldest name first."""
-    storage = open_storage(where, "STORAGE")
+    storage = _open(where, "STORAGE")
     try:
         names = sorted(storage.list_dirs(""))
-    except (OSError, FileNotFoundError):
+    except OSError:
         names = []
     runs = [read(storage, n) for n in names if storage.exists(f"{n}/config.yaml")]
     if not runs:
@@ -108,7 +108,7 @@ def list_runs(where: str) -> list[str]:
 def show(run_dir: str) -> list[str]:
     """One run's summary: its state, config in short, last metrics, the ledger, failures."""
     storage_uri, name = filesystems.split(run_dir)
-    storage = open_storage(storage_uri or ".", "RUN_DIR")
+    storage = _open(storage_uri or ".", "RUN_DIR")
     if not name or not storage.exists(f"{name}/config.yaml"):
         raise ConfigError(f"{run_dir!r} is not a run directory (it has no config.yaml)")
     run = read(storage, name)
@@ -139,7 +139,8 @@ def _metrics_line(rows: list[dict[str, Any]]) -> str:
         return "none yet"
     shown = {k: v for k, v in latest.items() if k not in ("step", "epoch", "time", "world_size")}
     values = "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-    return f"step {latest.get('step')}, epoch {latest.get('epoch', 0) + 1}, workers {latest.get('world_size')}  {values}"
+    where = f"step {latest.get('step')}, epoch {latest.get('epoch', 0) + 1}, workers {latest.get('world_size')}"
+    return f"{where}  {values}"
 
 
 def _failures_lines(events: list[dict[str, Any]]) -> list[str]:
