@@ -23,6 +23,7 @@ meant to be running then is not in its files.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
@@ -160,6 +161,7 @@ class _Attempt:
     def __init__(self, events: list[dict[str, Any]], train: list[dict[str, Any]], val: list[dict[str, Any]],
                  step_s: float):
         self.events, self.train, self.val, self.step_s = events, train, val, step_s
+        self.times = [r["time"] for r in train]
         self.buckets: dict[str, float] = dict.fromkeys(BUCKETS, 0.0)
         self.failures: Counter[str] = Counter()
         self.recovery_steps: set[int] = set()  # rows whose after-step work fell in a recovery
@@ -200,19 +202,20 @@ class _Attempt:
                 failed_at = None
 
     def _recovery(self, failed_at: float, recovered_at: float, steps_lost: int) -> None:
-        before = [r for r in self.train if r["time"] <= failed_at]
-        after = [r for r in self.train if r["time"] > recovered_at]
-        if not before or not after:  # before the first step (starting's) or the run ended on it (stopping's)
+        # rows are in time order: the last at or before the failure, the first after the recovery
+        i, j = bisect.bisect_right(self.times, failed_at) - 1, bisect.bisect_right(self.times, recovered_at)
+        if i < 0 or j >= len(self.train):  # before the first step (starting's) or the run ended on it (stopping's)
             return
-        length = max(0.0, after[0]["time"] - before[-1]["time"] - self.step_s)
+        before, after = self.train[i], self.train[j]
+        length = max(0.0, after["time"] - before["time"] - self.step_s)
         length = min(length, self.buckets["training"])
         redone = min(length, steps_lost * self.step_s)
         self.buckets["training"] -= length
         self.buckets["recomputed"] += redone
         self.buckets["recovering"] += length - redone
-        self.recovery_steps.add(before[-1]["step"])
-        self.recovery_spans.append((before[-1]["time"], after[0]["time"]))
-        began, redone_from = before[-1]["time"], before[-1]["time"] + length - redone
+        self.recovery_steps.add(before["step"])
+        self.recovery_spans.append((before["time"], after["time"]))
+        began, redone_from = before["time"], before["time"] + length - redone
         self.spans += [(began, redone_from, "recovering"), (redone_from, redone_from + redone, "recomputed")]
 
     def _resumed(self, previous_last_step: int | None, first: float) -> None:
