@@ -56,9 +56,9 @@ def test_one_run_with_failure_and_resize(tmp_path):
     run = write_run(tmp_path / "run-a")
     result = plot_runs([run])
     assert result.path == run / "plot.png" and result.path.stat().st_size > 0
-    # loss (+val_loss), accuracy (+val_accuracy), lr, throughput, world size
-    assert result.panels == ["loss", "accuracy", "learning rate", "throughput", "world size"]
-    assert read_png(result.path).shape[:2] == expected_shape(5)
+    # loss (+val_loss), accuracy (+val_accuracy), lr, throughput, world size, the ledger's timeline
+    assert result.panels == ["loss", "accuracy", "learning rate", "throughput", "world size", "where the time went"]
+    assert read_png(result.path).shape[:2] == expected_shape(6)
 
 
 def test_two_runs_overlaid_and_the_cli(tmp_path, capsys):
@@ -68,8 +68,8 @@ def test_two_runs_overlaid_and_the_cli(tmp_path, capsys):
     out = tmp_path / "out" / "both.png"
     assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
     assert str(out) in capsys.readouterr().out
-    # Panels are the union: loss, accuracy, mae, lr, throughput, world size.
-    assert read_png(out).shape[:2] == expected_shape(6)
+    # Panels are the union: loss, accuracy, mae, lr, throughput, world size, timeline.
+    assert read_png(out).shape[:2] == expected_shape(7)
     assert plot_runs([a, b], tmp_path / "again.png").panels[:3] == ["loss", "accuracy", "mae"]
 
 

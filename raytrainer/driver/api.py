@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import itertools
@@ -13,6 +14,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -23,7 +25,7 @@ from ..checkpoint import Checkpoints, Storage, find_checkpoint_dir
 from ..config import Config, dump_config, load_config, resolve_paths
 from ..config.taskargs import annotations_of, typed_args
 from ..contract import Resume
-from . import identity as identities, localray, stopexit
+from . import identity as identities, ledger, localray, stopexit
 from .controller import Controller, ControllerSettings, Records
 from ..errors import ConfigError, Stopped, warn
 from ..task import describe
@@ -60,6 +62,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
     """
     import ray
 
+    launched = time.time()  # the goodput ledger's start: Ray's start and the loading count as starting
     stem, source = None, config
     if not isinstance(config, Config):
         config, payload, stem = _by_value(config)
@@ -86,7 +89,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
         previous = _continued(config, storage, stem, identity) if config.run.resume == "auto" else None
         config.run.name = previous or _new_name(storage, stem)
     name = config.run.name
-    lock, shown = _lock_of(storage, name)
+    lock, shown = lock_of(storage, name)
     with _held(lock, shown):
         run_dir = lock.parent if storage.local else _local_mirror(storage, name)
         # Its workers may wait for a new driver (failure.driver_grace_s), taken over where the run
@@ -110,7 +113,7 @@ def train(config: str | Path | dict[str, Any] | Config, overrides: Iterable[str]
             _say_which(shown, run_dir, resume, takeover)
             if identity is not None:
                 _record_identity(storage, name, run_dir, identity)
-            return _run(config, storage, run_dir, resume, progress=progress, takeover=takeover,
+            return _run(config, storage, run_dir, resume, progress=progress, takeover=takeover, launched=launched,
                         cluster_can_grow=not localray.started_here(), callbacks=list(callbacks),
                         listeners=[way_out.event])
         finally:
@@ -245,7 +248,7 @@ def _continued(config: Config, storage: Storage, stem: str, identity: identities
     previous = identities.find(storage, stem, identity)
     if previous is None:
         return None
-    lock, shown = _lock_of(storage, previous.name)
+    lock, shown = lock_of(storage, previous.name)
     if previous.ended == "finished":
         _say(f"the last run of this config, {shown}, {previous.how}: starting a new run")
         return None
@@ -263,7 +266,7 @@ def _continued(config: Config, storage: Storage, stem: str, identity: identities
     return previous.name
 
 
-def _lock_of(storage: Storage, name: str) -> tuple[Path, str]:
+def lock_of(storage: Storage, name: str) -> tuple[Path, str]:
     """The file that holds run `name` for one process (_held), and the run directory as shown."""
     if storage.local:
         return Path(storage.root) / name / ".lock", str(Path(storage.root) / name)
@@ -490,9 +493,17 @@ class _UploadLogs(Callback):
             _warn(str(exc).replace("the run trained to its end, but ", ""))
 
 
+def _write_ledger(run_dir: Path) -> None:
+    """goodput.json, failed and stopped runs included; a disk that is full only warns."""
+    try:
+        ledger.write(run_dir)
+    except OSError as exc:
+        _warn(f"the goodput ledger could not be written to {run_dir} ({exc})")
+
+
 def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
          progress: bool, cluster_can_grow: bool, callbacks: list[Any], takeover: Any = None,
-         listeners: Iterable[Any] = ()) -> Result:
+         listeners: Iterable[Any] = (), launched: float | None = None) -> Result:
     import ray
 
     from .group import RayWorkerGroup
@@ -525,7 +536,8 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
                                      + ([_CheckpointArtifacts(hub)] if storage.local else []))
         records = Records(hub=hub, events=events, progress=bar, callbacks=driver_callbacks,
                           context=RunContext(run_dir, config))
-        controller = Controller(group, ControllerSettings.of(config), records, resume=resume, takeover=takeover,
+        settings = dataclasses.replace(ControllerSettings.of(config), launched=launched)
+        controller = Controller(group, settings, records, resume=resume, takeover=takeover,
                                 restore=lambda before=None: _latest(config, storage, before))
         try:
             with _stop_on_signals(controller):
@@ -540,6 +552,7 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
     finally:
         hub.close()
         events.close()
+        _write_ledger(run_dir)
         if upload:
             upload.final_upload()
     return Result(run_dir=run_dir, metrics=dict(hub.latest), history=hub.history, events=events.events)

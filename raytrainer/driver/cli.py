@@ -1,6 +1,7 @@
 """Command line: `raytrainer train CONFIG [--set section.key=value ...]`, `raytrainer resume RUN_DIR`,
 `raytrainer bench`, `raytrainer plot RUN_DIR ...`, `raytrainer up|down|status` (the kept local Ray),
-`raytrainer release RUN_DIR` (the workers a killed run left for a new driver)."""
+`raytrainer release RUN_DIR` (the workers a killed run left for a new driver), `raytrainer runs [STORAGE]`
+and `raytrainer show RUN_DIR` (what run directories hold: driver/runs.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="run directories, e.g. runs/digits-* or s3://bucket/runs/digits-...")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png for one local run, NAME.png here for one "
                       "run at a URI, plot.png for several)")
+    runs = sub.add_parser("runs", help="list the runs under a storage: name, state, step, goodput, where")
+    runs.add_argument("storage", nargs="?", default="runs",
+                      help="a run.storage: a directory (default: runs, run.storage's default) or a URI")
+    show = sub.add_parser("show", help="one run's summary: config, last metrics, goodput ledger, failures")
+    show.add_argument("run_dir", help="the run directory, e.g. runs/digits-20261122-042535 or s3://bucket/runs/NAME")
     return parser
 
 
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "raytrainer" if args.command in ("train", "resume") else f"raytrainer {args.command}"
     try:
         commands = {"train": _train, "resume": _train, "bench": _bench, "plot": _plot, "up": _up, "down": _down,
-                    "status": _status, "release": _release}
+                    "status": _status, "release": _release, "runs": _runs, "show": _show}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"{prefix}: config error: {exc}", file=sys.stderr)
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from . import ledger
     from .api import train
 
     for flag in ("fast_dev_run", "overfit_batches"):
@@ -124,11 +131,26 @@ def _train(args: argparse.Namespace) -> int:
     shown = {k: v for k, v in m.items() if k not in ("step", "epoch", "world_size", "time")}
     print(f"finished {result.run_dir}: step {m.get('step')}, epoch {m.get('epoch', 0) + 1}")
     print("  " + "  ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    print("\n".join("  " + line.strip() for line in ledger.of_dir(result.run_dir).lines()))
     recovered = [e for e in result.events if e["event"] == "recovered"]
     if recovered:  # by cause: the cluster's losses, the run's own faults (failure.max_losses, max_failures)
         last = recovered[-1]
         print(f"  recovered {len(recovered)} time(s): {last.get('losses', 0)} lost worker(s), "
               f"{last.get('faults', 0)} fault(s) of the run's own")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from .runs import list_runs
+
+    print("\n".join(list_runs(args.storage)))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .runs import show
+
+    print("\n".join(show(args.run_dir)))
     return 0
 
 

@@ -108,6 +108,9 @@ class ControllerSettings:
     """How often to look for room to grow."""
     drain_check_s: float = 1.0
     """How often to look for draining nodes."""
+    launched: float | None = None
+    """When raytrainer.train was called (time.time()): run_started's `launched`, so that the
+    goodput ledger's `starting` counts Ray's start and the config's loading too."""
 
     @classmethod
     def of(cls, config: Config) -> ControllerSettings:
@@ -162,6 +165,7 @@ class Controller:
         self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
         self._pause_asked: float | None = None
         self.per_worker_batch = settings.per_worker_batch
+        self.launched = settings.launched
         self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
         self.hub, self.events, self.progress = records.hub, records.events, records.progress
         self.poll_interval_s, self.max_poll_s = settings.poll_interval_s, settings.max_poll_s
@@ -187,6 +191,7 @@ class Controller:
         """Train to the end and return rank 0's final state; raise what stopped the run."""
         t0 = time.monotonic()
         self.events.log("run_started", step=0, num_workers=self.size,
+                        **({"launched": round(self.launched, 3)} if self.launched else {}),
                         **({"min_workers": self.min_workers} if self.min_workers < self.size else {}),
                         **({"max_workers": self.max_workers} if self.max_workers > self.size else {}))
         try:

@@ -3,9 +3,11 @@ A RUN_DIR may be a URI (s3://, gs://, ...): its files are read through its files
 
 Panels, in order: one per metric the task logs (training line and its `val_`
 counterpart together, `loss` first), the learning rate, throughput (samples/s)
-against step, and the world size against seconds since the run started, with the
+against step, the world size against seconds since the run started, with the
 driver's lifecycle events (failures, recoveries, resizes, ...) as vertical
-markers. Failures, recoveries and resizes are also marked on the step panels.
+markers, and the goodput ledger's timeline (ledger.py: starting, recovering,
+checkpoints, ... over training) on the same axis. Failures, recoveries and resizes
+are also marked on the step panels.
 
 matplotlib is imported here only, and without pyplot (no global backend, no
 display needed): `raytrainer train` never pays for it.
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import ConfigError, RaytrainerError
+from .ledger import LOST, ledger
 
 # Events drawn as vertical markers: name -> (line style, label). Colour is the run's.
 KNOWN_EVENTS = {
@@ -134,7 +137,7 @@ def plot_runs(run_dirs: Iterable[str | Path], out: str | Path | None = None) -> 
         raise RaytrainerError("raytrainer plot needs matplotlib: pip install matplotlib") from None
 
     metrics = metric_names(runs)
-    panels = metrics + ["learning rate", "throughput", "world size"]
+    panels = metrics + ["learning rate", "throughput", "world size", "where the time went"]
     rows = math.ceil(len(panels) / COLUMNS)
     fig = Figure(figsize=(PANEL_W * COLUMNS, PANEL_H * rows), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -161,6 +164,7 @@ def plot_runs(run_dirs: Iterable[str | Path], out: str | Path | None = None) -> 
     _mark_steps(ax, runs, colors)
     _finish(ax, "throughput (samples/s)", "step")
     _world_size(axes[len(metrics) + 2], runs, colors)
+    _timeline(axes[len(metrics) + 3], runs)
 
     fig.suptitle(", ".join(r.name for r in runs))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +218,34 @@ def _world_size(ax, runs, colors) -> None:
                 seen.add(text)
     ax.yaxis.get_major_locator().set_params(integer=True)
     _finish(ax, "world size", "seconds since run start")
+
+
+def _timeline(ax, runs) -> None:
+    """A lane a run: training (green) under the ledger's spans of other time, a colour each."""
+    colors = dict(zip(LOST, ("tab:gray", "tab:orange", "tab:red", "tab:purple", "tab:blue", "tab:cyan", "tab:brown")))
+    seen = set()
+    for lane, run in enumerate(runs):
+        account = ledger(run.events, run.rows)
+        if account.wall_s <= 0:
+            continue
+        ends = [t for span in account.spans for t in span[:2]]
+        ax.broken_barh([(min(ends) - run.start, max(ends) - min(ends))], (lane - 0.4, 0.8), color="tab:green",
+                       label=None if "training" in seen else "training")
+        seen.add("training")
+        for bucket in LOST:
+            bars = [(a - run.start, b - a) for a, b, kind in account.spans if kind == bucket and b > a]
+            if bars:
+                ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[bucket], label=None if bucket in seen else bucket)
+                seen.add(bucket)
+        ax.text(0, lane, f" {account.goodput:.1%} ", va="center", ha="right", fontsize="small")
+    ax.set_yticks(range(len(runs)), [run.name for run in runs] if len(runs) > 1 else [""])
+    ax.set_title("where the time went (goodput)")
+    ax.set_xlabel("seconds since run start")
+    ax.grid(alpha=0.3)
+    if seen:
+        ax.legend(fontsize="small", ncols=2)
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
 def _finish(ax, title, xlabel) -> None:
