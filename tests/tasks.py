@@ -602,3 +602,23 @@ def pad_sequences(samples):
 class InheritedSequenceTask(SequenceTask):
     """Its __init__ is its base's: the driver's reading of the source cannot tell its
     annotations, the worker's class can."""
+
+
+class _MLP(torch.nn.Module):
+    """RegressionTask's MLP as a plain module: dynamo (torch 2.13) captures no graph from an
+    nn.Sequential under a compiled DDP (it will not trace Sequential's generator), so a
+    compiled run of the Sequential would test nothing."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, hidden), torch.nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class CompiledTask(RegressionTask):
+    """RegressionTask with a model torch.compile captures whole (trainer.compile's tests)."""
+
+    def build_model(self):
+        return _MLP(self.hidden)

@@ -30,10 +30,10 @@ from .run import LOGGER_KEYS, LoggerConfig, RunConfig, resolve_paths
 from .scaling import ScalingConfig
 from .schema import _build, _deepcopy, _key, _to_dict
 from .task import Component, TaskConfig
-from .trainer import EarlyStoppingConfig, FSDPConfig, LRScheduleConfig, TrainerConfig, ValidationConfig
+from .trainer import CompileConfig, EarlyStoppingConfig, FSDPConfig, LRScheduleConfig, TrainerConfig, ValidationConfig
 
 __all__ = ["CheckpointConfig", "ChaosFault", "Component", "Config", "DataConfig", "EarlyStoppingConfig",
-           "FSDPConfig", "FailureConfig", "KeepBestConfig", "LOGGER_KEYS", "LRScheduleConfig", "LoggerConfig",
+           "CompileConfig", "FSDPConfig", "FailureConfig", "KeepBestConfig", "LOGGER_KEYS", "LRScheduleConfig", "LoggerConfig",
            "RunConfig", "ScalingConfig", "TaskConfig", "TrainerConfig", "ValidationConfig", "apply_overrides",
            "dump_config", "load_config", "resolve_paths"]
 

@@ -64,6 +64,25 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
+class CompileConfig:
+    """trainer.compile: torch.compile's options, applied on every worker to the model the
+    step calls, after DDP wraps it or fully_shard shards it (see docs/config.md)."""
+
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    backend: str = "inductor"
+    """A torch.compile backend name (inductor, aot_eager, eager, ...); inductor's compiled
+    artifacts are cached for the run's other workers (worker/compiling.py)."""
+    dynamic: bool | None = None
+    """null: torch's default (static shapes, dynamic after a second shape is seen)."""
+    fullgraph: bool = False
+    """true: a graph break is an error instead of a fall back to eager Python."""
+
+    def __post_init__(self):
+        if not self.backend.strip():
+            raise ConfigError("trainer.compile.backend must name a torch.compile backend, e.g. inductor")
+
+
+@dataclass(kw_only=True)
 class ValidationConfig:
     """trainer.validation: when validation runs, and where (see worker/validation.py)."""
 
@@ -135,6 +154,10 @@ class TrainerConfig:
     sharded over the ranks, for models that do not fit on one device (see trainer.fsdp)."""
     fsdp: FSDPConfig | None = None
     """Options of the fsdp strategy (only with strategy: fsdp)."""
+    compile: bool | CompileConfig | None = None
+    """torch.compile the model on every worker: false or null (off, the default), true
+    (torch's defaults), or a mapping of its options (trainer.compile.mode, backend, dynamic,
+    fullgraph). Resolved to null or a CompileConfig."""
     lr_schedule: LRScheduleConfig | None = None
     early_stopping: EarlyStoppingConfig | None = None
     peak_flops_per_worker: float | None = None
@@ -161,6 +184,11 @@ class TrainerConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"trainer.{key}={value} must be a positive integer")
         self._join_val_every()
+        # One shape for the rest of the package: off is None, on is its options.
+        if self.compile is True:
+            self.compile = CompileConfig()
+        elif self.compile is False:
+            self.compile = None
         for key in ("fast_dev_run", "overfit_batches", "nonfinite_max_skips"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be >= 0 (0 turns it off)")

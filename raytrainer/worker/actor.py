@@ -34,6 +34,7 @@ from ..contract import (CopiedState, Holdings, Node, Orphan, RunEnd, Reshard, Sn
 from ..errors import PeerFailure, RaytrainerError, WorkerError
 from ..task import build_task
 from . import building, control, keeping, orphan
+from .compiling import use_run_cache
 from .copies import LoneCopy
 from .forming import Forming, load, resolve
 from .warm import adopt
@@ -65,7 +66,9 @@ class Worker:
         # Started before the imports take the process's baseline (keeping.note_start): it
         # serves every run this process trains in.
         self._driver = orphan.watch_driver(self, self.config.failure.driver_grace_s)
-        self._warm_up = _WarmUp(self.config if warm or spare else None, spare=spare)
+        use_run_cache(self.config)  # trainer.compile: compiled graphs shared with the run's workers here
+        self._warm_up = _WarmUp(self.config if warm or spare else None, spare=spare,
+                                compiles=self.config.trainer.compile is not None)
         self.rank: int | None = None
         self.loop = None
         # Kept across the groups this process trains in: a survivor goes back to its own
@@ -386,7 +389,8 @@ class _WarmUp:
     value is the thread's own (Linux): the process, and every thread that trains later,
     keeps the worker's."""
 
-    def __init__(self, config: Any, spare: bool):
+    def __init__(self, config: Any, spare: bool, compiles: bool = False):
+        self._compiles = compiles  # trainer.compile: torch's compiler imported too
         self._thread = None
         self._prebuilt = None
         self._taken = False  # setup has taken the state: a hand-over no longer to warm the store for
@@ -414,6 +418,8 @@ class _WarmUp:
         from . import _internals
 
         _internals.import_dynamo()
+        if self._compiles:
+            _internals.import_inductor()
 
         from . import loop, snapshot  # noqa: F401
 

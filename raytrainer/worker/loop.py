@@ -47,6 +47,7 @@ import torch
 
 from ..callbacks import Callbacks
 from .chaos import Chaos
+from .compiling import compile_report, compiled
 from ..checkpoint import Checkpoints
 from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ..contract import Reshard, Snapshot
@@ -170,7 +171,9 @@ class Loop:
             # may be larger now); a survivor's state keeps its reason (see regroup).
             self.stop_reason = None
         # Last: the state is final. Every rank loads a state, or none (rank 0's weights then).
-        self.model = self.strategy.wrap(self.module, world_size, device, synced=state is not None)
+        self.wrapped = self.strategy.wrap(self.module, world_size, device, synced=state is not None)
+        self.model = compiled(self.wrapped, cfg.compile)  # what the step calls: wrapped, then compiled
+        self._compile_unreported = cfg.compile is not None  # the `compiled` event after the first step
         self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
         self._last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
@@ -295,6 +298,9 @@ class Loop:
         self._after_pending = True
         self._step_seconds = time.perf_counter() - started
         self.window.add(step_row(self, lr, scaler), total, carried)
+        if self._compile_unreported:
+            self._compile_unreported = False
+            self.notify(compile_report(self.step, self._step_seconds))
         if self.chaos.due:
             with self._in_user_code():
                 self.chaos.act(self.step, self.rank)
@@ -375,7 +381,11 @@ class Loop:
         self.saver.rank = rank
         self.plan = self._plan()
         self.train_input.regroup(self.plan, rank, self.step)
-        self.model = self.strategy.wrap(self.module, world_size, self.device, synced=True)  # the same state, all
+        self.wrapped = self.strategy.wrap(self.module, world_size, self.device, synced=True)  # the same state, all
+        # Compiled again over the new wrapper: dynamo finds the graphs it compiled for the
+        # module (compiling.py); the event after the next step shows whether it did.
+        self.model = compiled(self.wrapped, self.cfg.compile)
+        self._compile_unreported = self.cfg.compile is not None
         self.pause_requested = self._pause_agreed = self.paused = False
 
     def close_inputs(self) -> None:

@@ -37,7 +37,7 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
     for i, size in enumerate(sizes):
         divisor = loop.plan.loss_divisor(size)
         sync = i == last
-        with contextlib.nullcontext() if sync else loop.strategy.no_sync(loop.model):
+        with contextlib.nullcontext() if sync else loop.strategy.no_sync(loop.wrapped):
             with loop._in_user_code():
                 batch = to_device(next(batches), loop.device)
                 with loop._autocast():

@@ -1,0 +1,71 @@
+"""trainer.compile: torch.compile the model the step calls, and share what compiling made
+with the run's other workers.
+
+The model is compiled after the strategy wraps it (DDP, or FSDP2's fully_shard in place),
+as torch recommends: compiling the DDP wrapper lets dynamo split the graph at DDP's bucket
+boundaries, so gradient all-reduces still overlap the backward. A re-formed group wraps the
+same module in a new DDP: dynamo's compiled code lives on the module's forward and its
+guards do not look at the process group, so a survivor runs on without compiling again
+(tests/test_compile.py checks it through dynamo's own graph count, `compiled_graphs`).
+
+A replacement, a newcomer of a grow or a warm spare compiles in a new process. Inductor
+keeps what it compiled (its FX-graph cache and AOTAutograd's cache, both on by default) in
+a directory on disk; every worker of the run on a node points it at one directory of the
+node, so a new process finds the graphs its peers compiled and skips inductor's code
+generation and C++ (or Triton) build, the bulk of a compile; dynamo's trace of the
+Python remains. Workers on another node compile their first graph themselves and share it
+from then on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import CompileConfig, Config
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def run_cache_dir(config: Config) -> Path:
+    """This node's directory of the run's compiled artifacts: one per run (its storage and
+    name), so that two runs' graphs never mix and a rerun of the same command, which
+    continues the run, finds them."""
+    key = hashlib.sha256(f"{config.run.storage}\0{config.run.name}".encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "raytrainer-compile" / f"{config.run.name}-{key}"
+
+
+def use_run_cache(config: Config) -> None:
+    """Point this process's inductor caches at the run's directory, before anything compiles
+    (inductor reads the variable at its first compile and keeps it). A directory the user
+    set (TORCHINDUCTOR_CACHE_DIR in the workers' environment) is theirs to keep."""
+    if config.trainer.compile is None or CACHE_ENV in os.environ:
+        return
+    os.environ[CACHE_ENV] = str(run_cache_dir(config))
+
+
+def compiled(model: torch.nn.Module, options: CompileConfig | None) -> torch.nn.Module:
+    """`model` compiled with trainer.compile's options; itself where compile is off.
+    torch.compile is lazy: the first call compiles."""
+    if options is None:
+        return model
+    import torch
+
+    return torch.compile(model, mode=options.mode, backend=options.backend, dynamic=options.dynamic,
+                         fullgraph=options.fullgraph)
+
+
+def compile_report(step: int, seconds: float) -> dict[str, Any]:
+    """The `compiled` event a worker sends after its first compiled step: what this process
+    has compiled so far and how much of it inductor's caches gave (hits) or built (misses)."""
+    from . import _internals
+
+    # The pid tells a survivor's events apart from its replacement's (ranks are renumbered).
+    return {"event": "compiled", "step": step, "pid": os.getpid(), "first_step_s": round(seconds, 3),
+            **_internals.compile_counts()}

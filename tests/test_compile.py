@@ -1,0 +1,84 @@
+"""trainer.compile: the config, a compiled run against an uncompiled one, and what a
+recovery compiles (nothing on a survivor; from inductor's run cache on a replacement).
+
+Every worker sends a `compiled` event after its first compiled step in a group, with
+dynamo's graph count and inductor's cache hits and misses (worker/compiling.py): the
+tests read torch's own counters through it, not timings."""
+
+import pytest
+import torch
+
+import raytrainer
+from raytrainer.config import CompileConfig, load_config
+from raytrainer.errors import ConfigError
+
+
+def raw(tmp_path, name, compile_, workers=2, steps=8, chaos=(), **failure):
+    return {
+        "task": {"target": "tests.tasks:CompiledTask"},
+        "trainer": {"max_steps": steps, "global_batch_size": 32, "log_every_n_steps": 2, "compile": compile_},
+        "scaling": {"num_workers": workers},
+        "failure": {"chaos": list(chaos), "step_timeout_s": 30, **failure},
+        "run": {"name": name, "storage": str(tmp_path)},
+    }
+
+
+def compiled_events(result):
+    return [e for e in result.events if e["event"] == "compiled"]
+
+
+@pytest.mark.parametrize("value, expected", [
+    (True, CompileConfig()), (False, None), (None, None),
+    ({"mode": "max-autotune", "dynamic": True}, CompileConfig(mode="max-autotune", dynamic=True)),
+])
+def test_compile_is_off_true_or_torch_compiles_options(tmp_path, value, expected):
+    assert load_config(raw(tmp_path, "c", value)).trainer.compile == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    ("yes", "trainer.compile must be a mapping"),
+    ({"mode": "fast"}, "trainer.compile.mode='fast'"),
+    ({"backend": " "}, "trainer.compile.backend must name a torch.compile backend"),
+    ({"fullgraf": True}, "unknown key 'trainer.compile.fullgraf'"),
+])
+def test_a_wrong_compile_setting_names_the_key(tmp_path, value, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(raw(tmp_path, "c", value))
+
+
+def test_a_compiled_run_trains_like_an_uncompiled_one(ray_local, tmp_path):
+    # aot_eager: dynamo's capture and AOTAutograd's joint graph, the parts that decide
+    # whether the compiled step is the same step, without inductor's C++ build (a minute
+    # of a loaded 2-core machine); test_a_replacement_... covers inductor.
+    eager = raytrainer.train(raw(tmp_path, "eager", None), progress=False)
+    compiled = raytrainer.train(raw(tmp_path, "compiled", {"backend": "aot_eager"}), progress=False)
+    assert compiled.metrics[-1]["step"] == eager.metrics[-1]["step"] == 8
+    assert compiled.metrics[-1]["loss"] == pytest.approx(eager.metrics[-1]["loss"], rel=1e-4)
+    a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (eager, compiled))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    events = compiled_events(compiled)
+    assert sorted(e["rank"] for e in events) == [0, 1]  # every worker compiled ...
+    assert all(e["compiled_graphs"] >= 1 for e in events)  # ... a graph, not an eager fall-back
+    assert not compiled_events(eager)
+
+
+def test_a_survivor_does_not_recompile_after_a_kill_and_a_replacement_hits_the_run_cache(ray_local, tmp_path):
+    # Rank 1 SIGKILLed after step 3: rank 0 survives, re-forms with a warm spare or a new
+    # process, and reports its graph count again after the first step in the new group.
+    result = raytrainer.train(raw(tmp_path, "kill", {}, steps=8, chaos=[{"action": "kill", "step": 3, "rank": 1}]),
+                              progress=False)
+    assert result.metrics[-1]["step"] == 8
+    assert [e for e in result.events if e["event"] == "recovered"]
+    by_pid: dict[int, list[dict]] = {}
+    for e in compiled_events(result):
+        by_pid.setdefault(e["pid"], []).append(e)
+    survivors = [events for events in by_pid.values() if len(events) == 2]
+    assert len(survivors) == 1, by_pid  # the survivor: before and after the re-form
+    before, after = survivors[0]
+    assert after["step"] > before["step"] >= 1
+    assert after["compiled_graphs"] == before["compiled_graphs"] >= 1  # dynamo compiled nothing anew
+    assert after["fx_cache_misses"] == before["fx_cache_misses"]
+    (newcomer,) = [events[0] for pid, events in by_pid.items() if len(events) == 1 and events[0]["step"] > 3]
+    # The replacement's graphs came from the run's inductor cache, none built anew.
+    assert newcomer["compiled_graphs"] >= 1
+    assert newcomer["fx_cache_hits"] >= 1 and newcomer["fx_cache_misses"] == 0
