@@ -23,8 +23,22 @@ def raw(tmp_path, name, compile_, workers=2, steps=8, chaos=(), **failure):
     }
 
 
+def last_loss(result):
+    return [r for r in result.history if "loss" in r][-1]
+
+
 def compiled_events(result):
     return [e for e in result.events if e["event"] == "compiled"]
+
+
+def by_process(result) -> dict[int, list[dict]]:
+    """Each worker process's counts, in the order of the `compiled` events (one per group
+    it trained in), with the event's step."""
+    found: dict[int, list[dict]] = {}
+    for event in compiled_events(result):
+        for worker in event["workers"]:
+            found.setdefault(worker["pid"], []).append({**worker, "step": event["step"]})
+    return found
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -52,13 +66,13 @@ def test_a_compiled_run_trains_like_an_uncompiled_one(ray_local, tmp_path):
     # of a loaded 2-core machine); test_a_replacement_... covers inductor.
     eager = raytrainer.train(raw(tmp_path, "eager", None), progress=False)
     compiled = raytrainer.train(raw(tmp_path, "compiled", {"backend": "aot_eager"}), progress=False)
-    assert compiled.metrics[-1]["step"] == eager.metrics[-1]["step"] == 8
-    assert compiled.metrics[-1]["loss"] == pytest.approx(eager.metrics[-1]["loss"], rel=1e-4)
+    assert last_loss(compiled)["step"] == last_loss(eager)["step"] == 8
+    assert last_loss(compiled)["loss"] == pytest.approx(last_loss(eager)["loss"], rel=1e-4)
     a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (eager, compiled))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
-    events = compiled_events(compiled)
-    assert sorted(e["rank"] for e in events) == [0, 1]  # every worker compiled ...
-    assert all(e["compiled_graphs"] >= 1 for e in events)  # ... a graph, not an eager fall-back
+    (event,) = compiled_events(compiled)
+    assert [w["rank"] for w in event["workers"]] == [0, 1]  # every worker compiled ...
+    assert all(w["compiled_graphs"] >= 1 for w in event["workers"])  # ... a graph, not an eager fall-back
     assert not compiled_events(eager)
 
 
@@ -67,11 +81,9 @@ def test_a_survivor_does_not_recompile_after_a_kill_and_a_replacement_hits_the_r
     # process, and reports its graph count again after the first step in the new group.
     result = raytrainer.train(raw(tmp_path, "kill", {}, steps=8, chaos=[{"action": "kill", "step": 3, "rank": 1}]),
                               progress=False)
-    assert result.metrics[-1]["step"] == 8
+    assert result.metrics["step"] == 8
     assert [e for e in result.events if e["event"] == "recovered"]
-    by_pid: dict[int, list[dict]] = {}
-    for e in compiled_events(result):
-        by_pid.setdefault(e["pid"], []).append(e)
+    by_pid = by_process(result)
     survivors = [events for events in by_pid.values() if len(events) == 2]
     assert len(survivors) == 1, by_pid  # the survivor: before and after the re-form
     before, after = survivors[0]

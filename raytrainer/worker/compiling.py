@@ -61,11 +61,25 @@ def compiled(model: torch.nn.Module, options: CompileConfig | None) -> torch.nn.
                          fullgraph=options.fullgraph)
 
 
-def compile_report(step: int, seconds: float) -> dict[str, Any]:
-    """The `compiled` event a worker sends after its first compiled step: what this process
-    has compiled so far and how much of it inductor's caches gave (hits) or built (misses)."""
+_COUNTS = ("pid", "compiled_graphs", "fx_cache_hits", "fx_cache_misses", "aot_cache_hits", "aot_cache_misses",
+           "first_step_ms")
+
+
+def compile_report(step: int, seconds: float, device: torch.device, world_size: int) -> dict[str, Any]:
+    """The `compiled` event after a group's first compiled step (a collective): for every
+    rank, its process, the graphs dynamo has captured in it so far (a recompile adds to
+    them) and how many of inductor's graphs came from the caches (hits) or were built
+    (misses), and how long that first step took."""
+    import torch
+    import torch.distributed as dist
+
     from . import _internals
 
-    # The pid tells a survivor's events apart from its replacement's (ranks are renumbered).
-    return {"event": "compiled", "step": step, "pid": os.getpid(), "first_step_s": round(seconds, 3),
-            **_internals.compile_counts()}
+    counts = {"pid": os.getpid(), **_internals.compile_counts(), "first_step_ms": round(seconds * 1000)}
+    mine = torch.tensor([counts[k] for k in _COUNTS], dtype=torch.int64, device=device)
+    rows = [mine]
+    if world_size > 1:
+        rows = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(rows, mine)
+    workers = [{"rank": rank, **dict(zip(_COUNTS, row.tolist()))} for rank, row in enumerate(rows)]
+    return {"event": "compiled", "step": step, "workers": workers}

@@ -241,6 +241,8 @@ class Loop:
     def _after_step(self) -> None:
         """Validation, logging, epoch end and checkpoint after step `self.step`. The epoch
         moves on last: until then the work is pending, and redone the same way on resume."""
+        if self._compile_unreported:
+            self._report_compile()
         if self.validation is not None:
             self.validation.after_step()
         epoch_end = not self.plan.fits(self.position)
@@ -260,6 +262,15 @@ class Loop:
         if epoch_end:
             self.epoch, self.position = self.epoch + 1, 0
         self._after_pending = False
+
+    def _report_compile(self) -> None:
+        """The `compiled` event after the first compiled step in this group: every rank's
+        graph count and cache hits, gathered to rank 0 (the driver hears rank 0 only)."""
+        self._compile_unreported = False
+        with self._phase("collective"):
+            event = compile_report(self.step, self._step_seconds, self.device, self.world_size)
+        if self.rank == 0:
+            self.notify(event)
 
     def train_step(self) -> None:
         step = self.step + 1
@@ -298,9 +309,6 @@ class Loop:
         self._after_pending = True
         self._step_seconds = time.perf_counter() - started
         self.window.add(step_row(self, lr, scaler), total, carried)
-        if self._compile_unreported:
-            self._compile_unreported = False
-            self.notify(compile_report(self.step, self._step_seconds))
         if self.chaos.due:
             with self._in_user_code():
                 self.chaos.act(self.step, self.rank)
