@@ -68,6 +68,8 @@ NAMES = [
     (TORCH, "torch.utils.data.dataloader", "_MultiProcessingDataLoaderIter._shutdown_workers",
      "stopping loader processes of an abandoned epoch (_internals.shutdown_loader_iterator)"),
     (TORCH, "torch", "_dynamo", "importing torch._dynamo before a worker is needed (_internals.import_dynamo)"),
+    (TORCH, "torch._inductor.compile_fx", "compile_fx", "importing inductor before a compiling worker is needed (_internals.import_inductor)"),
+    (TORCH, "torch._dynamo.utils", "counters", "trainer.compile's graph and cache counts (_internals.compile_counts)"),
     (RAY, "ray.experimental.internal_kv", "_internal_kv_put",
      "firing each failure.chaos fault once per run (_internals.kv_put_if_absent)"),
     (RAY, "ray._private.worker", "_global_node",
@@ -412,3 +414,19 @@ def test_a_workers_own_error_is_not_a_peer_failure():
     assert not _peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not _peer_failure(ValueError("gloo/transport/ in a user's message is not Gloo's"))
     assert _peer_failure(dist.DistNetworkError("Broken pipe"))
+
+
+def test_dynamos_counters_still_count_graphs_and_inductors_cache_hits():
+    """The keys compile_counts reads (a renamed key would read 0 for ever, silently)."""
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = torch.compile(torch.nn.Linear(2, 1), backend="aot_eager")
+    model(torch.ones(1, 2)).sum().backward()
+    assert _internals.compile_counts()["compiled_graphs"] == 1
+    source = Path(torch.__file__).parent
+    assert 'counters["inductor"]["fxgraph_cache_hit"]' in (source / "_inductor/codecache.py").read_text()
+    assert 'counters["aot_autograd"]["autograd_cache_hit"]' in (
+        source / "_functorch/_aot_autograd/autograd_cache.py").read_text()
