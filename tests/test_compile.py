@@ -13,10 +13,11 @@ from raytrainer.config import CompileConfig, load_config
 from raytrainer.errors import ConfigError
 
 
-def raw(tmp_path, name, compile_, workers=2, steps=8, chaos=(), **failure):
+def raw(tmp_path, name, compile_, workers=2, steps=8, chaos=(), strategy="ddp", **failure):
     return {
         "task": {"target": "tests.tasks:CompiledTask"},
-        "trainer": {"max_steps": steps, "global_batch_size": 32, "log_every_n_steps": 2, "compile": compile_},
+        "trainer": {"max_steps": steps, "global_batch_size": 32, "log_every_n_steps": 2, "compile": compile_,
+                    "strategy": strategy},
         "scaling": {"num_workers": workers},
         "failure": {"chaos": list(chaos), "step_timeout_s": 30, **failure},
         "run": {"name": name, "storage": str(tmp_path)},
@@ -60,12 +61,17 @@ def test_a_wrong_compile_setting_names_the_key(tmp_path, value, message):
         load_config(raw(tmp_path, "c", value))
 
 
-def test_a_compiled_run_trains_like_an_uncompiled_one(ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def eager(ray_local, tmp_path_factory):
+    return raytrainer.train(raw(tmp_path_factory.mktemp("eager"), "eager", None), progress=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # compiled after DDP wraps it, or after fully_shard
+def test_a_compiled_run_trains_like_an_uncompiled_one(eager, tmp_path, strategy):
     # aot_eager: dynamo's capture and AOTAutograd's joint graph, the parts that decide
     # whether the compiled step is the same step, without inductor's C++ build (a minute
-    # of a loaded 2-core machine); test_a_replacement_... covers inductor.
-    eager = raytrainer.train(raw(tmp_path, "eager", None), progress=False)
-    compiled = raytrainer.train(raw(tmp_path, "compiled", {"backend": "aot_eager"}), progress=False)
+    # of a loaded 2-core machine); the kill test below covers inductor.
+    compiled = raytrainer.train(raw(tmp_path, strategy, {"backend": "aot_eager"}, strategy=strategy), progress=False)
     assert last_loss(compiled)["step"] == last_loss(eager)["step"] == 8
     assert last_loss(compiled)["loss"] == pytest.approx(last_loss(eager)["loss"], rel=1e-4)
     a, b = (torch.load(r.run_dir / "model.pt", weights_only=True) for r in (eager, compiled))
