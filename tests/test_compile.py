@@ -96,8 +96,10 @@ def test_a_survivor_does_not_recompile_after_a_kill_and_a_replacement_hits_the_r
     before, after = survivors[0]
     assert after["step"] > before["step"] >= 1
     assert after["compiled_graphs"] == before["compiled_graphs"] >= 1  # dynamo compiled nothing anew
+    assert before["new_graphs"] >= 1 and after["new_graphs"] == 0
     assert after["fx_cache_misses"] == before["fx_cache_misses"]
     (newcomer,) = [events[0] for pid, events in by_pid.items() if len(events) == 1 and events[0]["step"] > 3]
-    # The replacement's graphs came from the run's inductor cache, none built anew.
-    assert newcomer["compiled_graphs"] >= 1
+    # The replacement compiled before it joined (warm.compile_ahead), from the run's
+    # inductor cache, none built anew: its first step in the group compiled nothing.
+    assert newcomer["compiled_graphs"] >= 1 and newcomer["new_graphs"] == 0
     assert newcomer["fx_cache_hits"] >= 1 and newcomer["fx_cache_misses"] == 0

@@ -437,9 +437,11 @@ class _WarmUp:
         _lower_priority(nice)
         try:
             if config is not None:
-                from .warm import prebuild, touch_object_store
+                from .warm import compile_ahead, prebuild, touch_object_store
 
-                prebuilt = self._prebuilt = prebuild(config)
+                prebuilt = prebuild(config)
+                compile_ahead(prebuilt, config)  # trainer.compile: not in the first step's time
+                self._prebuilt = prebuilt
                 self.built.set()
                 # Not waited for by setup, which may take the state meanwhile. A spare taken
                 # while it built has had its hand-over: a put now would only take cores and

@@ -61,21 +61,32 @@ def compiled(model: torch.nn.Module, options: CompileConfig | None) -> torch.nn.
                          fullgraph=options.fullgraph)
 
 
-_COUNTS = ("pid", "compiled_graphs", "fx_cache_hits", "fx_cache_misses", "aot_cache_hits", "aot_cache_misses",
+def graph_count() -> int:
+    """The graphs dynamo has captured in this process so far."""
+    from . import _internals
+
+    return _internals.compile_counts()["compiled_graphs"]
+
+
+_COUNTS = ("pid", "compiled_graphs", "new_graphs", "fx_cache_hits", "fx_cache_misses", "aot_cache_hits", "aot_cache_misses",
            "first_step_ms")
 
 
-def compile_report(step: int, seconds: float, device: torch.device, world_size: int) -> dict[str, Any]:
+def compile_report(step: int, seconds: float, device: torch.device, world_size: int,
+                   graphs_at_join: int) -> dict[str, Any]:
     """The `compiled` event after a group's first compiled step (a collective): for every
     rank, its process, the graphs dynamo has captured in it so far (a recompile adds to
-    them) and how many of inductor's graphs came from the caches (hits) or were built
-    (misses), and how long that first step took."""
+    them), those captured since it joined this group (`graphs_at_join` then; 0: its first
+    step compiled nothing: a survivor, or a worker that compiled ahead), how many of
+    inductor's graphs came from the caches (hits) or were built (misses), and how long
+    that first step took."""
     import torch
     import torch.distributed as dist
 
     from . import _internals
 
     counts = {"pid": os.getpid(), **_internals.compile_counts(), "first_step_ms": round(seconds * 1000)}
+    counts["new_graphs"] = counts["compiled_graphs"] - graphs_at_join
     mine = torch.tensor([counts[k] for k in _COUNTS], dtype=torch.int64, device=device)
     rows = [mine]
     if world_size > 1:

@@ -47,7 +47,7 @@ import torch
 
 from ..callbacks import Callbacks
 from .chaos import Chaos
-from .compiling import compile_report, compiled
+from .compiling import compile_report, compiled, graph_count
 from ..checkpoint import Checkpoints
 from ..config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ..contract import Reshard, Snapshot
@@ -174,6 +174,7 @@ class Loop:
         self.wrapped = self.strategy.wrap(self.module, world_size, device, synced=state is not None)
         self.model = compiled(self.wrapped, cfg.compile)  # what the step calls: wrapped, then compiled
         self._compile_unreported = cfg.compile is not None  # the `compiled` event after the first step
+        self._graphs_at_join = graph_count() if cfg.compile is not None else 0
         self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
         self._last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
@@ -268,7 +269,7 @@ class Loop:
         graph count and cache hits, gathered to rank 0 (the driver hears rank 0 only)."""
         self._compile_unreported = False
         with self._phase("collective"):
-            event = compile_report(self.step, self._step_seconds, self.device, self.world_size)
+            event = compile_report(self.step, self._step_seconds, self.device, self.world_size, self._graphs_at_join)
         if self.rank == 0:
             self.notify(event)
 
@@ -394,6 +395,7 @@ class Loop:
         # module (compiling.py); the event after the next step shows whether it did.
         self.model = compiled(self.wrapped, self.cfg.compile)
         self._compile_unreported = self.cfg.compile is not None
+        self._graphs_at_join = graph_count() if self.cfg.compile is not None else 0
         self.pause_requested = self._pause_agreed = self.paused = False
 
     def close_inputs(self) -> None:

@@ -133,3 +133,42 @@ def adopt(prebuilt: Prebuilt | None, resume: Any, device: Any) -> Prebuilt | Non
 
     replicated = isinstance(resume, (Packed, bytes, dict))
     return prebuilt if replicated and getattr(device, "type", None) == "cpu" else None
+
+
+def compile_ahead(prebuilt: Prebuilt | None, config: Config) -> None:
+    """trainer.compile: run the task's training step once, forward and backward, on the
+    prebuilt module compiled as the loop compiles it, so that this process holds dynamo's
+    compiled code for the module's forward before it joins: the loop's compile over its
+    DDP finds it (compiling.py), and the first step in the group traces nothing. The
+    kernels come from the run's inductor cache where a peer on this node built them.
+
+    The batch is the run's first micro-batch at scaling.num_workers workers (a group of
+    another size, or another shape later, compiles in its step, as a new process would).
+    What the step changes is dropped (the gradients) or overwritten by the state loaded at
+    setup (the buffers); the task's train_step runs once more than the steps it trains."""
+    if prebuilt is None or config.trainer.compile is None:
+        return
+    import torch
+
+    from .compiling import compiled
+    from .input import collate_of
+    from .loop import LoopSettings
+    from .outputs import StepOutputs
+    from .sizing import Sizing
+
+    task, module = prebuilt.task, prebuilt.train.module
+    try:
+        settings, workers = LoopSettings.of(config), config.scaling.num_workers
+        data = task.train_dataset()
+        size = Sizing.of(settings, workers).plan(data, workers).micro_batch_sizes(0)[0]
+        batch = collate_of(task, settings.data.collate_fn)([data[i] for i in range(size)])
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.trainer.precision)
+        module.train()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            out = task.train_step(compiled(module, config.trainer.compile), batch)
+        StepOutputs(task, torch.device("cpu")).loss(out).backward()
+    except Exception:  # a stream, a step that needs the group: compiled in the first step instead
+        log.debug("the model could not be compiled ahead", exc_info=True)
+    finally:
+        prebuilt.train.optimizer.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
