@@ -68,8 +68,8 @@ def graph_count() -> int:
     return _internals.compile_counts()["compiled_graphs"]
 
 
-_COUNTS = ("pid", "compiled_graphs", "new_graphs", "fx_cache_hits", "fx_cache_misses", "aot_cache_hits", "aot_cache_misses",
-           "first_step_ms")
+_COUNTS = ("pid", "compiled_graphs", "new_graphs", "fx_cache_hits", "fx_cache_misses", "aot_cache_hits",
+           "aot_cache_misses", "first_step_ms")
 
 
 def compile_report(step: int, seconds: float, device: torch.device, world_size: int,

@@ -8,7 +8,11 @@ once), the replacement's first step (its compile, from the run's cache) and its 
 hits, the survivor's graph count before and after, and the steps' times before the kill
 and after the recovery. An uncompiled run of the same shape gives the eager step time.
 
-    python docs/bench/2026-12-07/compile_recovery.py [repetitions] [storage]
+    python docs/bench/2026-12-07/compile_recovery.py [repetitions] [storage] [spare]
+
+`spare`: steps paced at 0.1 s and the kill after step 150, so that the warm spare
+(failure.warm_spares: 1, the default) is up, built and compiled ahead when it comes, and
+the recovery is `fast` (the spare takes the place at once).
 """
 
 import json
@@ -19,12 +23,19 @@ import tempfile
 import raytrainer
 
 
+SPARE = len(sys.argv) > 3 and sys.argv[3] == "spare"
+KILL = 150 if SPARE else 4  # the kill comes after this step
+STEPS = KILL + 26
+
+
 def config(storage, name, compile_):
     return {
-        "task": {"target": "tests.tasks:CompiledTask", "args": {"num_samples": 4096}},
-        "trainer": {"max_steps": 30, "global_batch_size": 64, "log_every_n_steps": 1, "compile": compile_},
+        "task": {"target": "tests.tasks:CompiledTask",
+                 "args": {"num_samples": 16384, "sleep_s": 0.1 if SPARE else 0.0}},
+        "trainer": {"max_steps": STEPS, "global_batch_size": 64, "log_every_n_steps": 1, "compile": compile_},
         "scaling": {"num_workers": 2},
-        "failure": {"chaos": [{"action": "kill", "step": 4, "rank": 1}], "recovery": "exact", "step_timeout_s": 120},
+        "failure": {"chaos": [{"action": "kill", "step": KILL, "rank": 1}], "recovery": "fast" if SPARE else "exact",
+                    "step_timeout_s": 120},
         "run": {"name": name, "storage": storage},
     }
 
@@ -38,17 +49,19 @@ def step_ms(rows, first, last):
 
 def one(storage, i, compile_):
     on = compile_ is not None
-    result = raytrainer.train(config(storage, f"compile-{i}-{'on' if on else 'off'}", compile_), progress=False)
+    name = f"compile-{'spare-' if SPARE else ''}{i}-{'on' if on else 'off'}"
+    result = raytrainer.train(config(storage, name, compile_), progress=False)
     events = [e for e in result.events if e["event"] == "compiled"]
     recovered = next(e for e in result.events if e["event"] == "recovered")
-    out = {"compile": on, "recovery_s": recovered["seconds"],
-           "steps_before_kill_ms": step_ms(result.history, 1, 4), "steps_after_recovery_ms": step_ms(result.history, 6, 30),
-           "first_step_after_recovery_ms": step_ms(result.history, 4, 5)}
+    out = {"compile": on, "recovery_s": recovered["seconds"], "spares": recovered.get("spares"),
+           "steps_before_kill_ms": step_ms(result.history, KILL - 3, KILL),
+           "steps_after_recovery_ms": step_ms(result.history, KILL + 2, STEPS),
+           "first_step_after_recovery_ms": step_ms(result.history, KILL, KILL + 1)}
     if events:
-        first, after = events[0]["workers"], events[1]["workers"]
-        out.update(first_compile_ms=[w["first_step_ms"] for w in first],
-                   replacement={k: after[1][k] for k in ("first_step_ms", "fx_cache_hits", "fx_cache_misses",
-                                                         "aot_cache_hits", "aot_cache_misses")},
+        first, after = events[0]["workers"], events[-1]["workers"]
+        joined = after[1] if len(after) > 1 else {}  # none where the survivor went on alone
+        keys = ("first_step_ms", "new_graphs", "fx_cache_hits", "fx_cache_misses", "aot_cache_hits", "aot_cache_misses")
+        out.update(first_compile_ms=[w["first_step_ms"] for w in first], replacement={k: joined.get(k) for k in keys},
                    survivor_graphs=[first[0]["compiled_graphs"], after[0]["compiled_graphs"]])
     return out
 
