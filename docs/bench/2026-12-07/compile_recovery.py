@@ -8,7 +8,7 @@ once), the replacement's first step (its compile, from the run's cache) and its 
 hits, the survivor's graph count before and after, and the steps' times before the kill
 and after the recovery. An uncompiled run of the same shape gives the eager step time.
 
-    python docs/bench/2026-12-07/compile_recovery.py [repetitions] [storage] [spare]
+    python docs/bench/2026-12-07/compile_recovery.py [repetitions] [storage] [spare] [kill step]
 
 `spare`: steps paced at 0.1 s and the kill after step 150, so that the warm spare
 (failure.warm_spares: 1, the default) is up, built and compiled ahead when it comes, and
@@ -24,7 +24,7 @@ import raytrainer
 
 
 SPARE = len(sys.argv) > 3 and sys.argv[3] == "spare"
-KILL = 150 if SPARE else 4  # the kill comes after this step
+KILL = int(sys.argv[4]) if len(sys.argv) > 4 else 150 if SPARE else 4  # the kill comes after this step
 STEPS = KILL + 26
 
 
