@@ -312,6 +312,10 @@ class MapInput:
         if not self.cfg.persistent_workers:
             self.close()
 
+    def pass_over(self, through_step: int, next_step: int) -> None:
+        """A rollback: the loop moves its position past the batches passed over."""
+        self.reset()
+
     def state_dict(self, step: int) -> None:
         return None  # the position is the loop's (epoch, position)
 
@@ -429,6 +433,13 @@ class StreamInput:
 
     def reset(self) -> None:
         self.close()
+
+    def pass_over(self, through_step: int, next_step: int) -> None:
+        """A rollback: step `next_step` on trains on the items after step `through_step`'s
+        (a new segment: the steps no longer follow from the old one's start)."""
+        self.close()
+        seg = self.segment
+        self.segment = self._segment(seg["base"] + _items_read(seg, through_step - seg["start_step"]), next_step)
 
     def state_dict(self, step: int) -> dict[str, Any]:
         return dict(self.segment)

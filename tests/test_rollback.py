@@ -1,0 +1,105 @@
+"""trainer.nonfinite: rollback (worker/rollback.py): a poisoned batch is undone by going
+back to a state kept in memory and past the batches since, on every rank alike."""
+
+import pytest
+import torch
+
+from raytrainer.config import LRScheduleConfig, TrainerConfig
+from raytrainer.errors import ConfigError, NonFiniteLoss
+from raytrainer.worker.loop import Loop, LoopSettings, Outlets
+
+from .tasks import SpikedRecordTask
+
+# Sample 12 of 2048 falls in step 20 of the first epoch (64 steps a batch of 32), and after
+# the first rollback in steps 107 and 165 of the next ones; 200 steps with a decaying LR
+# reach the noise floor (about 0.0101) from anywhere.
+BAD, STEPS = 12, 200
+
+
+def spiked_loop(scale, events=None, rank=0, world_size=1, every=4, **trainer):
+    trainer = {"max_steps": STEPS, "global_batch_size": 32, "lr_schedule": LRScheduleConfig(), **trainer}
+    task = SpikedRecordTask(num_samples=2048, val_samples=0, bad_sample=BAD, scale=scale)
+    notify = events.append if events is not None else (lambda event: None)
+    return Loop(task, LoopSettings(trainer=TrainerConfig(**trainer), snapshot_every_n_steps=every),
+                Outlets(notify=notify), rank=rank, world_size=world_size, device=torch.device("cpu"))
+
+
+def clean_loss(module):
+    """The mean squared error over the clean training set."""
+    x, y, _ = SpikedRecordTask(num_samples=2048, scale=1).train_dataset().tensors
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(module(x), y).item()
+
+
+def rolled_back(events):
+    return [(e["step"], e["to_step"], e["skipped_batches"]) for e in events if e["event"] == "rolled_back"]
+
+
+def test_a_spike_is_rolled_back_and_the_run_ends_as_one_without_the_bad_record():
+    clean = spiked_loop(1)
+    clean.fit()
+    events = []
+    loop = spiked_loop(1e6, events, nonfinite="rollback", spike_factor=10)
+    loop.fit()
+    # Back to the state kept every 4 steps, past the batches since: the spike's and its own.
+    assert rolled_back(events) == [(20, 16, 4), (107, 104, 3), (165, 164, 1)]
+    assert "spike_factor=10" in events[0]["why"]
+    assert loop.step == STEPS and loop.rollbacks.at == [107, 165]  # those within the last 100 steps
+    assert abs(clean_loss(loop.module) - clean_loss(clean.module)) < 0.01 * clean_loss(clean.module)
+
+    # The same spike is finite: today's check lets it through, and the weights never recover.
+    loop = spiked_loop(1e6)
+    loop.fit()
+    assert clean_loss(loop.module) > 100 * clean_loss(clean.module)
+
+
+def test_a_nonfinite_loss_is_rolled_back_where_stop_stops_at_it():
+    events = []
+    loop = spiked_loop(float("inf"), events, nonfinite="rollback")
+    loop.fit()
+    assert rolled_back(events)[0] == (20, 16, 4) and "the loss is" in events[0]["why"]
+    assert torch.isfinite(torch.tensor(clean_loss(loop.module)))
+
+    loop = spiked_loop(float("inf"))
+    with pytest.raises(NonFiniteLoss, match=r"step 20: the loss is"):
+        loop.fit()
+    assert loop.step == 19
+
+
+def test_without_a_kept_state_a_rollback_drops_the_bad_step_and_too_many_stop_the_run():
+    events = []
+    loop = spiked_loop(float("inf"), events, every=0, nonfinite="rollback")
+    loop.fit()
+    said = rolled_back(events)
+    assert said[0] == (20, 19, 1) and len(said) > 1 and all(skipped == 1 for _, _, skipped in said)
+
+    loop = spiked_loop(float("inf"), nonfinite="rollback", rollback_max=1)  # 20 and 107: within 100
+    with pytest.raises(NonFiniteLoss, match=r"the 2th rollback within 100 steps, over trainer.rollback_max=1"):
+        loop.fit()
+
+
+def test_spike_factor_belongs_to_rollback():
+    with pytest.raises(ConfigError, match="needs trainer.nonfinite: rollback"):
+        TrainerConfig(spike_factor=10)
+    with pytest.raises(ConfigError, match="must be > 1"):
+        TrainerConfig(nonfinite="rollback", spike_factor=0.5)
+
+
+def _two_ranks(rank, world_size, strategy):
+    events = []
+    loop = spiked_loop(1e6, events, rank=rank, world_size=world_size, nonfinite="rollback", spike_factor=10,
+                       strategy=strategy, max_steps=40)
+    loop.fit()
+    weights = torch.cat([p.detach().full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten()
+                         for p in loop.module.parameters()])
+    return loop.step, loop.rollbacks.at, rolled_back(events), weights.tolist()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_rank_rolls_back_at_the_same_step(strategy):
+    from .dist_procs import run_ranks
+
+    (step0, at0, said0, w0), (step1, at1, said1, w1) = run_ranks(_two_ranks, 2, strategy)
+    assert step0 == step1 == 40 and at0 == at1 == [20]
+    assert said0 == [(20, 16, 4)] and said1 == []  # rank 0 tells the driver
+    assert w0 == w1
