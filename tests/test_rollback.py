@@ -7,6 +7,7 @@ import torch
 from raytrainer.config import LRScheduleConfig, TrainerConfig
 from raytrainer.errors import ConfigError, NonFiniteLoss
 from raytrainer.worker.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.snapshot import PeerSnapshots
 
 from .tasks import SpikedRecordTask
 
@@ -16,12 +17,12 @@ from .tasks import SpikedRecordTask
 BAD, STEPS = 12, 200
 
 
-def spiked_loop(scale, events=None, rank=0, world_size=1, every=4, **trainer):
+def spiked_loop(scale, events=None, rank=0, world_size=1, every=4, peer=False, **trainer):
     trainer = {"max_steps": STEPS, "global_batch_size": 32, "lr_schedule": LRScheduleConfig(), **trainer}
     task = SpikedRecordTask(num_samples=2048, val_samples=0, bad_sample=BAD, scale=scale)
     notify = events.append if events is not None else (lambda event: None)
     return Loop(task, LoopSettings(trainer=TrainerConfig(**trainer), snapshot_every_n_steps=every),
-                Outlets(notify=notify), rank=rank, world_size=world_size, device=torch.device("cpu"))
+                Outlets(notify=notify, snapshots=PeerSnapshots(every) if peer else None), rank=rank, world_size=world_size, device=torch.device("cpu"))
 
 
 def clean_loss(module):
@@ -85,21 +86,51 @@ def test_spike_factor_belongs_to_rollback():
         TrainerConfig(nonfinite="rollback", spike_factor=0.5)
 
 
-def _two_ranks(rank, world_size, strategy):
+def _two_ranks(rank, world_size, strategy, peer):
     events = []
     loop = spiked_loop(1e6, events, rank=rank, world_size=world_size, nonfinite="rollback", spike_factor=10,
-                       strategy=strategy, max_steps=40)
+                       strategy=strategy, max_steps=40, peer=peer)
     loop.fit()
     weights = torch.cat([p.detach().full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten()
                          for p in loop.module.parameters()])
-    return loop.step, loop.rollbacks.at, rolled_back(events), weights.tolist()
+    kept_here = loop.rollbacks.kept.state is not None  # a copy of the rollback's own
+    return loop.step, loop.rollbacks.at, rolled_back(events), weights.tolist(), kept_here
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_every_rank_rolls_back_at_the_same_step(strategy):
+@pytest.mark.parametrize("strategy, peer", [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_every_rank_rolls_back_at_the_same_step(strategy, peer):
+    """DDP's loss rides on the gradient all-reduce, FSDP's takes one of its own; with peer
+    snapshots (sharded state) the kept state is their own copy, none other is taken."""
     from .dist_procs import run_ranks
 
-    (step0, at0, said0, w0), (step1, at1, said1, w1) = run_ranks(_two_ranks, 2, strategy)
+    (step0, at0, said0, w0, kept0), (step1, at1, said1, w1, kept1) = run_ranks(_two_ranks, 2, strategy, peer)
+    assert kept0 == kept1 == (not peer)
     assert step0 == step1 == 40 and at0 == at1 == [20]
     assert said0 == [(20, 16, 4)] and said1 == []  # rank 0 tells the driver
     assert w0 == w1
+
+
+def test_a_run_of_two_workers_rolls_back_in_memory_and_ends_as_in_one_process(ray_local, tmp_path):
+    """Through the driver: the rollback is in the events, no recovery or checkpoint read is,
+    and the weights are those of the same rollback in one process (the global batch fixed)."""
+    import raytrainer
+
+    steps = 40
+    config = {
+        "task": {"target": "tests.tasks:SpikedRecordTask",
+                 "args": {"num_samples": 2048, "val_samples": 0, "bad_sample": BAD, "scale": 1e6}},
+        "trainer": {"max_steps": steps, "global_batch_size": 32, "lr_schedule": {}, "nonfinite": "rollback",
+                    "spike_factor": 10},
+        "failure": {"snapshot_every_n_steps": 4},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every_n_steps": 3},
+        "run": {"name": "spiked", "storage": str(tmp_path)},
+    }
+    result = raytrainer.train(config, progress=False)
+    assert rolled_back(result.events) == [(20, 16, 4)]
+    assert not {"recovered", "resumed", "worker_failed"} & {e["event"] for e in result.events}
+    here = spiked_loop(1e6, nonfinite="rollback", spike_factor=10, max_steps=steps)
+    here.fit()
+    weights = torch.load(result.run_dir / "model.pt", weights_only=True)
+    for name, value in here.module.state_dict().items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ dropped, which is `skip`.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -71,14 +72,17 @@ class LossSpikes:
         self.recent = [(s, value) for s, value in self.recent if s <= step]
 
 
-def agreed_loss(loss_col: int, total: torch.Tensor, carried: list[float] | None, world_size: int) -> float:
+def agreed_loss(loss_col: int, total: torch.Tensor, carried: list[float] | None, world_size: int,
+                waiting: Callable[[], contextlib.AbstractContextManager]) -> float:
     """The step's loss summed over ranks (each rank's weighted by its share: the global
-    batch's mean), the same on every rank: carried with the gradients, else one all-reduce."""
+    batch's mean), the same on every rank: carried with the gradients, else one all-reduce
+    (`waiting` marks it for the hang check)."""
     if carried is not None:
         return carried[loss_col]
     loss = total[loss_col].detach().reshape(1).clone()
     if world_size > 1:
-        dist.all_reduce(loss)
+        with waiting():
+            dist.all_reduce(loss)
     return float(loss.item())
 
 

@@ -62,13 +62,12 @@ def finite(loop: Loop, step: int, total: torch.Tensor, carried: list[float] | No
     """Whether step `step`'s update may be applied (trainer.nonfinite, see nonfinite.py); if
     not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on.
     None: the run went back to an earlier step (rollback, see rollback.py)."""
-    loss_col = loop.outputs.keys["train"].index("loss")
+    loss_col, waiting = loop.outputs.keys["train"].index("loss"), lambda: loop._phase("collective")
     what = what_is_not_finite(step, loss_col, total, carried, norm, rank=loop.rank,
                               world_size=loop.world_size, grads=scaler is None, module=loop.module,
-                              waiting=lambda: loop._phase("collective"))
+                              waiting=waiting)
     if what is None and loop.spikes.factor is not None:
-        with loop._phase("collective") if carried is None and loop.world_size > 1 else _NO_PHASE:
-            what = loop.spikes.judge(step, agreed_loss(loss_col, total, carried, loop.world_size))
+        what = loop.spikes.judge(step, agreed_loss(loss_col, total, carried, loop.world_size, waiting))
     if what is None:
         loop.nonfinite.finite()
         return True
