@@ -79,6 +79,35 @@ def test_without_a_kept_state_a_rollback_drops_the_bad_step_and_too_many_stop_th
         loop.fit()
 
 
+class SpikedStream(SpikedRecordTask):
+    """The same records as a stream (item i: record i), each micro-batch's first item noted."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.firsts = []
+
+    def train_dataset(self):
+        from .tasks import RegressionStream
+
+        return RegressionStream(super().train_dataset())
+
+    def train_step(self, model, batch):
+        self.firsts.append(int(batch[2][0]))
+        return super().train_step(model, batch)
+
+
+def test_a_stream_moves_past_the_items_of_the_steps_rolled_back():
+    task = SpikedStream(num_samples=2048, val_samples=0, bad_sample=19 * 32 + 5, scale=1e6)  # in step 20
+    events = []
+    loop = Loop(task, LoopSettings(trainer=TrainerConfig(max_steps=24, global_batch_size=32, nonfinite="rollback",
+                                                         spike_factor=10), snapshot_every_n_steps=4),
+                Outlets(notify=events.append), rank=0, world_size=1, device=torch.device("cpu"))
+    loop.fit()
+    assert rolled_back(events) == [(20, 16, 4)]
+    # Steps 1-20 read items 0-639; steps 17-24, run again, the items after them.
+    assert task.firsts == [32 * i for i in range(20)] + [32 * i for i in range(20, 28)]
+
+
 def test_spike_factor_belongs_to_rollback():
     with pytest.raises(ConfigError, match="needs trainer.nonfinite: rollback"):
         TrainerConfig(spike_factor=10)

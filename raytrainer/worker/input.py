@@ -312,7 +312,7 @@ class MapInput:
         if not self.cfg.persistent_workers:
             self.close()
 
-    def pass_over(self, through_step: int, next_step: int) -> None:
+    def pass_over(self, through_step: int, at_step: int) -> None:
         """A rollback: the loop moves its position past the batches passed over."""
         self.reset()
 
@@ -434,12 +434,12 @@ class StreamInput:
     def reset(self) -> None:
         self.close()
 
-    def pass_over(self, through_step: int, next_step: int) -> None:
-        """A rollback: step `next_step` on trains on the items after step `through_step`'s
-        (a new segment: the steps no longer follow from the old one's start)."""
+    def pass_over(self, through_step: int, at_step: int) -> None:
+        """A rollback: from `at_step` steps done on, the items after those of step
+        `through_step` (a new segment: the steps no longer follow from the old one's start)."""
         self.close()
         seg = self.segment
-        self.segment = self._segment(seg["base"] + _items_read(seg, through_step - seg["start_step"]), next_step)
+        self.segment = self._segment(seg["base"] + _items_read(seg, through_step - seg["start_step"]), at_step)
 
     def state_dict(self, step: int) -> dict[str, Any]:
         return dict(self.segment)

@@ -183,7 +183,7 @@ def roll_back(loop: Loop, step: int, why: str) -> None:
     if kept is not None:
         to_step, state = kept
         loop.train.load_state_dict(state)
-    loop.train_input.pass_over(step, to_step + 1)
+    loop.train_input.pass_over(step, to_step)
     loop.spikes.forget_after(to_step)
     loop.step = to_step
     loop.position += loop.plan.global_batch_size  # past the bad batch; those before it already were
