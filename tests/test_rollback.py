@@ -143,6 +143,7 @@ def test_a_run_of_two_workers_rolls_back_in_memory_and_ends_as_in_one_process(ra
     """Through the driver: the rollback is in the events, no recovery or checkpoint read is,
     and the weights are those of the same rollback in one process (the global batch fixed)."""
     import raytrainer
+    from raytrainer.driver.metrics import notice
 
     steps = 40
     config = {
@@ -157,6 +158,8 @@ def test_a_run_of_two_workers_rolls_back_in_memory_and_ends_as_in_one_process(ra
     }
     result = raytrainer.train(config, progress=False)
     assert rolled_back(result.events) == [(20, 16, 4)]
+    said = notice(next(e for e in result.events if e["event"] == "rolled_back"))
+    assert said.startswith("raytrainer: rolled back from step 20 to step 16 in memory, past 4 batch(es): step 20:")
     assert not {"recovered", "resumed", "worker_failed"} & {e["event"] for e in result.events}
     here = spiked_loop(1e6, nonfinite="rollback", spike_factor=10, max_steps=steps)
     here.fit()

@@ -146,8 +146,8 @@ class KeptState:
 class Rollbacks:
     """What trainer.nonfinite: rollback does at a bad step, and when it gives up."""
 
-    def __init__(self, most: int, kept: KeptState, notify: Callable[[dict[str, Any]], None]):
-        self.most, self.kept, self.notify = most, kept, notify
+    def __init__(self, most: int, kept: KeptState):
+        self.most, self.kept = most, kept
         self.at: list[int] = []  # the bad steps rolled back from, within ROLLBACK_SPAN
 
     def check(self, step: int, why: str) -> None:
@@ -161,15 +161,14 @@ class Rollbacks:
                 "`raytrainer resume` the run")
 
 
-def rollbacks(cfg: TrainerConfig, every: int | str, peer: PeerSnapshots | None, train_input: Any,
-              notify: Callable[[dict[str, Any]], None]) -> Rollbacks | None:
+def rollbacks(cfg: TrainerConfig, every: int | str, peer: PeerSnapshots | None, train_input: Any) -> Rollbacks | None:
     """The loop's rollbacks under trainer.nonfinite: rollback, else None."""
     if cfg.nonfinite != "rollback":
         return None
     if not hasattr(train_input, "pass_over"):  # a rollback moves the data past batches
         raise ConfigError("trainer.nonfinite: rollback cannot move a Ray Data training dataset past "
                           "batches; use stop or skip with it")
-    return Rollbacks(cfg.rollback_max, KeptState(every, peer), notify)
+    return Rollbacks(cfg.rollback_max, KeptState(every, peer))
 
 
 def roll_back(loop: Loop, step: int, why: str) -> None:
