@@ -108,6 +108,21 @@ def test_a_stream_moves_past_the_items_of_the_steps_rolled_back():
     assert task.firsts == [32 * i for i in range(20)] + [32 * i for i in range(20, 28)]
 
 
+def test_a_new_group_keeps_nothing_from_before_it_and_keeps_a_state_at_its_first_boundary():
+    """Survivors and a replacement (which holds nothing) must go back to the same step."""
+    from raytrainer.worker.rollback import KeptState
+
+    kept = KeptState(4, None)
+    assert not kept.due(0) and kept.due(1)  # step 0's fresh optimizer has another shape
+    kept.take(4, lambda: {"w": torch.ones(2)}, world_size=1)
+    step, state = kept.newest(5, lambda: {"w": torch.zeros(2)})
+    assert step == 4 and torch.equal(state["w"], torch.ones(2))
+    kept.reset(6)
+    assert kept.newest(7, lambda: {"w": torch.zeros(2)}) is None and kept.due(6)
+    kept.take(6, lambda: {"w": torch.ones(2)}, world_size=1)
+    assert not kept.due(7) and kept.due(8)
+
+
 def test_spike_factor_belongs_to_rollback():
     with pytest.raises(ConfigError, match="needs trainer.nonfinite: rollback"):
         TrainerConfig(spike_factor=10)

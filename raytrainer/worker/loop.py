@@ -176,7 +176,7 @@ class Loop:
         # Last: the state is final. Every rank loads a state, or none (rank 0's weights then).
         self.model = self.strategy.wrap(self.module, world_size, device, synced=state is not None)
         self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
-        self.rollbacks = rollbacks(cfg, settings.snapshot_every_n_steps, self.snapshots, self.train_input)
+        self.rollbacks = rollbacks(cfg, settings.snapshot_every_n_steps, self.snapshots, self.train_input, self.step)
         self._last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
         self.pause_requested = False  # set by the driver's thread: pause at a common step
@@ -386,7 +386,7 @@ class Loop:
         self.plan = self._plan()
         self.train_input.regroup(self.plan, rank, self.step)
         if self.rollbacks is not None:  # a replacement keeps none yet: no rank goes back past here
-            self.rollbacks.kept.reset()
+            self.rollbacks.kept.reset(self.step)
         self.model = self.strategy.wrap(self.module, world_size, self.device, synced=True)  # the same state, all
         self.pause_requested = self._pause_agreed = self.paused = False
 

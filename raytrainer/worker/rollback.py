@@ -91,17 +91,18 @@ class KeptState:
     where they are kept, else a host copy taken at their interval (`every`: an int, 0 for
     none, or auto). Only the newest is kept: one copy of the state in host memory."""
 
-    def __init__(self, every: int | str, peer: PeerSnapshots | None):
+    def __init__(self, every: int | str, peer: PeerSnapshots | None, start: int = 0):
         self.peer = peer
+        self.start = start  # the group's first step: no rank goes back past it (a newcomer holds nothing older)
         self.auto = every == AUTO
         self.every = AUTO_FIRST if self.auto else int(every)
         self.interval = AutoInterval()
         self.step: int | None = None
         self.state: dict[str, Any] | None = None
 
-    def reset(self) -> None:
-        """A new group: no rank of it goes back past its start, and auto measures anew."""
-        self.step, self.state = None, None
+    def reset(self, start: int) -> None:
+        """A new group, from step `start`: no rank of it goes back past it, and auto measures anew."""
+        self.step, self.state, self.start = None, None, start
         self.interval.reset()
         if self.auto:
             self.every = self.interval.every
@@ -136,7 +137,7 @@ class KeptState:
             return self.step, restore(template(), self.state)  # into this rank's tensors (shards)
         self.peer.wait()  # its exchange of the newest step: then every rank holds that step
         held = self.peer.holdings()
-        steps = [s for s in held.own if s <= now]
+        steps = [s for s in held.own if self.start <= s <= now]
         if not steps or (held.rank, held.world_size) != (self.peer.rank, self.peer.world):
             return None
         like, saved = template(), load(self.peer.own_snapshot(max(steps)))
@@ -161,14 +162,15 @@ class Rollbacks:
                 "`raytrainer resume` the run")
 
 
-def rollbacks(cfg: TrainerConfig, every: int | str, peer: PeerSnapshots | None, train_input: Any) -> Rollbacks | None:
-    """The loop's rollbacks under trainer.nonfinite: rollback, else None."""
+def rollbacks(cfg: TrainerConfig, every: int | str, peer: PeerSnapshots | None, train_input: Any,
+              start: int) -> Rollbacks | None:
+    """The loop's rollbacks under trainer.nonfinite: rollback, else None (`start`: its first step)."""
     if cfg.nonfinite != "rollback":
         return None
     if not hasattr(train_input, "pass_over"):  # a rollback moves the data past batches
         raise ConfigError("trainer.nonfinite: rollback cannot move a Ray Data training dataset past "
                           "batches; use stop or skip with it")
-    return Rollbacks(cfg.rollback_max, KeptState(every, peer))
+    return Rollbacks(cfg.rollback_max, KeptState(every, peer, start))
 
 
 def roll_back(loop: Loop, step: int, why: str) -> None:
