@@ -41,18 +41,28 @@ def feed(watch, first, times):
 def test_the_watch_reports_a_slow_rank_once_after_two_windows_and_starts_anew_after_a_reform():
     events = Events()
     watch = StragglerWatch(events, "replace", margin=1.3, window=5, node_ip=lambda r: "10.0.0.%d" % r)
-    with pytest.warns(Warning, match="rank 1 .* 2.00x slower"):
-        step = feed(watch, 1, [(0.01, 0.02)] * 10)
+    feed(watch, 1, [(0.01, 0.01)] * 10 + [(0.01, 0.05)] + [(0.01, 0.01)] * 9)  # one hiccup: nothing
+    assert events.logged == []
+    with pytest.warns(Warning, match="rank 1 .* 1.40x slower"):
+        step = feed(watch, 21, [(0.01, 0.02)] * 10)
     assert [e for e in events.logged if e["event"] == "slow_worker"] == [
-        {"event": "slow_worker", "step": 10, "rank": 1, "node": "10.0.0.1", "ratio": 2.0, "steps": 10,
-         "since_step": 1, "margin": 1.3, "action": "replace"}]
+        {"event": "slow_worker", "step": 27, "rank": 1, "node": "10.0.0.1", "ratio": 1.4, "steps": 10,
+         "since_step": 18, "margin": 1.3, "action": "replace"}]  # 2 slow steps of 5 in the older block
     assert watch.to_replace() == [1]
     feed(watch, step, [(0.01, 0.02)] * 10)
     assert len(events.logged) == 1  # once per group
     watch.formed()  # re-formed with rank 1 replaced
     assert watch.to_replace() == []
-    feed(watch, 21, [(0.01, 0.011)] * 10)
+    feed(watch, 41, [(0.01, 0.011)] * 10)
     assert len(events.logged) == 1
+
+
+def test_a_rank_slowed_mid_way_is_found_about_a_window_and_a_few_steps_later():
+    events = Events()
+    watch = StragglerWatch(events, "report", margin=1.3, window=20, node_ip=lambda r: None)
+    with pytest.warns(Warning):
+        feed(watch, 1, [(0.01, 0.01)] * 50 + [(0.01, 0.02)] * 40)  # twice as slow from step 51
+    assert [e["step"] for e in events.logged] == [77]  # 7 slow steps of 20 (51-57) in the older block: 1.35x
 
 
 def test_report_mode_reports_but_moves_nothing_and_off_measures_nothing():

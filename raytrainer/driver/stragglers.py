@@ -3,17 +3,20 @@ waits in the collectives) stays well above the other ranks' holds every step of 
 back, since data parallelism runs at the pace of its slowest rank.
 
 The times come with the training rows, at no collective of their own (contract.COMPUTE_KEY,
-measured in worker/window.py). They are judged in blocks of failure.straggler_window steps:
-a rank is slow in a block when its total is at least failure.straggler_margin times the
-median of the other ranks' totals (the others', so that of two ranks the slower one is
-compared with the faster one, not with their mean); it is reported once slow in two blocks
-in a row, since one block may hold a hiccup (a garbage collection, a page fault storm)
-that says nothing about the worker. `slow_ranks` decides; `StragglerWatch` keeps the blocks.
+measured in worker/window.py). At every step, the last 2 x failure.straggler_window steps
+are judged as two blocks: a rank is slow in a block when its total is at least
+failure.straggler_margin times the median of the other ranks' totals (the others', so that
+of two ranks the slower one is compared with the faster one, not with their mean); it is
+reported once slow in both, since one block may hold a hiccup (a garbage collection, a
+page fault storm) that says nothing about the worker. A rank twice as slow from some step
+on is found about straggler_window + 6 steps later. `slow_ranks` decides; `StragglerWatch`
+keeps the steps.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,7 +25,7 @@ from ..errors import warn
 from .metrics import EventLog
 
 BLOCKS = 2
-"""Slow blocks in a row that make a rank slow."""
+"""Blocks of straggler_window steps, one after the other, a rank must be slow in."""
 
 
 def block_ratios(totals: list[float]) -> list[float]:
@@ -71,35 +74,29 @@ class StragglerWatch:
 
     def formed(self) -> None:
         """A new group: its ranks are other processes, or numbered anew; judge them afresh."""
-        self._sums: list[float] | None = None
-        self._steps, self._first = 0, None
-        self._blocks: list[tuple[int, list[float]]] = []  # (first step, totals), the newest BLOCKS
+        self._steps: deque[tuple[int, list[float]]] = deque(maxlen=BLOCKS * self.window)  # (step, times)
         self.slow = {}
 
     def rows(self, rows: list[dict[str, Any]]) -> None:
         """Take the compute times out of fresh training rows (they are not metrics), judging
-        each block as it fills."""
+        the last steps at each."""
         for row in rows:
             times = row.pop(COMPUTE_KEY, None)
             if times is None or self.mode == "off":
                 continue
-            if self._sums is not None and len(times) != len(self._sums):
+            if self._steps and len(times) != len(self._steps[-1][1]):
                 self.formed()  # a row from before a resize, or after one the controller saw late
-            if self._sums is None:
-                self._sums, self._first = [0.0] * len(times), row["step"]
-            self._sums = [a + b for a, b in zip(self._sums, times)]
-            self._steps += 1
-            if self._steps == self.window:
-                self._close_block(row["step"])
+            self._steps.append((row["step"], times))
+            if len(self._steps) == self._steps.maxlen:
+                self._judge(row["step"])
 
-    def _close_block(self, step: int) -> None:
-        self._blocks = (self._blocks + [(self._first, self._sums)])[-BLOCKS:]
-        self._sums, self._steps = None, 0
-        if len(self._blocks) < BLOCKS:
-            return
-        for rank, ratio in slow_ranks([totals for _, totals in self._blocks], self.margin).items():
+    def _judge(self, step: int) -> None:
+        steps = list(self._steps)
+        blocks = [[sum(col) for col in zip(*(t for _, t in steps[i:i + self.window]))]
+                  for i in range(0, len(steps), self.window)]
+        for rank, ratio in slow_ranks(blocks, self.margin).items():
             if rank not in self.slow:
-                self._report(Slow(rank, ratio, step, self._blocks[0][0]))
+                self._report(Slow(rank, ratio, step, steps[0][0]))
 
     def _report(self, slow: Slow) -> None:
         self.slow[slow.rank] = slow
