@@ -1,10 +1,17 @@
 """Slow workers (driver/stragglers.py): the decision on synthetic per-rank compute times,
-and the watch over rows as the controller feeds it. A real run with a worker slowed from
+the watch over rows as the controller feeds it, and the controller moving a slow rank
+(failure.stragglers: replace) against a fake group. A real run with a worker slowed from
 outside is in tests/test_straggler_run.py."""
+
+import json
+import time
 
 import pytest
 
-from raytrainer.contract import COMPUTE_KEY
+from raytrainer.config.failure import FailureConfig
+from raytrainer.contract import COMPUTE_KEY, Formed, Node, Poll, Reformed, RunEnd
+from raytrainer.driver.controller import Controller, ControllerSettings, Records
+from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.driver.stragglers import StragglerWatch, block_ratios, slow_ranks
 
 
@@ -74,3 +81,79 @@ def test_report_mode_reports_but_moves_nothing_and_off_measures_nothing():
     off = StragglerWatch(events, "off", margin=1.3, window=5, node_ip=lambda r: None)
     feed(off, 1, [(0.03, 0.01)] * 10)
     assert len(events.logged) == 1
+
+
+# ---------------------------------------------------------------------- the controller, with a fake group
+
+class SlowGroup:
+    """Two workers, rank 1 twice as slow in every row; its replacement is up at the second
+    look; no node is drained."""
+
+    def __init__(self, polls):
+        self.polls, self.calls, self.looks = list(polls), [], 0
+
+    def start(self):
+        return NODES
+
+    def check_storage(self, nodes):
+        return None
+
+    def setup(self, resume=None):
+        return Formed(NODES, total_steps=60)
+
+    def launch(self):
+        self.calls.append(("launch",))
+
+    def poll(self, timeout):
+        return self.polls.pop(0)
+
+    def draining(self):
+        return {}
+
+    def replacements(self, ranks):
+        self.calls.append(("replacements", tuple(ranks)))
+        self.looks += bool(ranks)
+        return list(ranks) if self.looks > 1 else []
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def reform(self, dead, leave=()):
+        self.calls.append(("reform", tuple(dead), tuple(leave)))
+        return Reformed(step=40, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
+
+    def shutdown(self, keep=False):
+        pass
+
+
+NODES = [Node("10.0.0.1", node_id="n1", pid=1), Node("10.0.0.2", node_id="n2", pid=2)]
+
+
+def slow_rows(first, last):
+    return [{"step": s, "epoch": 0, "world_size": 2, "time": 0.0, "loss": 1.0, COMPUTE_KEY: [0.01, 0.02]}
+            for s in range(first, last + 1)]
+
+
+def test_replace_moves_the_slow_rank_at_a_pause_as_a_drain_does_with_no_failure(tmp_path):
+    paused = RunEnd("paused", 40, time=time.time())
+    done = RunEnd("finished", 60, stop_reason="completed", model_uri="w")
+    group = SlowGroup([Poll(slow_rows(1, 40)), Poll([]), Poll(paused={0: paused, 1: paused}),
+                       Poll(slow_rows(41, 60), done=True, result=done)])
+    events = EventLog(tmp_path / "events.jsonl")
+    settings = ControllerSettings(min_workers=2, poll_interval_s=0, drain_check_s=0,
+                                  failure=FailureConfig(stragglers="replace"))
+    controller = Controller(group, settings, Records(hub=MetricsHub([JsonlWriter(tmp_path / "m.jsonl")]),
+                                                     events=events))
+    with pytest.warns(Warning, match="rank 1"):
+        assert controller.run() == done
+    events.close()
+    calls = [c for c in group.calls if c[0] in ("replacements", "pause", "reform") and c != ("replacements", ())]
+    # Asked for rank 1's replacement until it was up, then paused once, re-formed without it.
+    assert calls == [("replacements", (1,)), ("replacements", (1,)), ("pause",), ("reform", (), (1,))]
+    log = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    names = [e["event"] for e in log]
+    assert names.count("slow_worker") == 1  # the rows after the move start anew: 20 steps, not judged yet
+    assert "worker_failed" not in names and "recovered" not in names and "resized" not in names
+    moved = next(e for e in log if e["event"] == "slow_worker_replaced")
+    assert (moved["rank"], moved["old_pid"], moved["moved"], moved["steps_lost"], moved["pids"]) == (1, 2, True, 0, [1, 3])
+    assert all(COMPUTE_KEY not in json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines())

@@ -136,7 +136,7 @@ class FailureConfig:
     back. report: a `slow_worker` event and a console line; replace: that too, then the
     worker is moved to a new process (a warm spare or a fresh worker) at a step boundary,
     as a worker leaves a draining node: from the others' memory, no step lost, no failure
-    counted; off: not measured. Each rank's compute time (its data, forward and backward,
+    counted; off: not judged (the times still ride along: a float per rank and step). Each rank's compute time (its data, forward and backward,
     not its waits for its peers) rides the gradient all-reduce: DDP on 2 or more workers."""
     straggler_margin: float = 1.3
     """How much slower than the other ranks' median a rank's compute must be to count."""

@@ -45,6 +45,10 @@ the survivors' memory; nothing is lost and no failure is counted. A `node_draini
 event says when the drain was seen, a `left_node` event when the workers left (and a
 `resized` event with cause "preemption" if the world size changed). A node that goes
 before its workers could leave is a lost node like any other: a failure, recovered.
+
+A rank persistently slower than the others (stragglers.py, from the compute times that
+come with the rows) is reported; with failure.stragglers: replace it leaves the same way
+as a worker on a draining node, its replacement in its place (`slow_worker_replaced`).
 """
 
 from __future__ import annotations
