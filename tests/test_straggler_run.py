@@ -1,9 +1,9 @@
 """A worker slowed from outside the task's code (a SIGSTOP/SIGCONT duty cycle on its pid,
 half of each 100 ms stopped: its steps take twice as long; of the stops, those that fall in
-its compute count against it, the rest in its waits for its peer, so it measures ~1.4-1.8x) on a local Ray: the driver reports it
-(`slow_worker`) within 50 steps, and with failure.stragglers: replace moves its rank to a
-new worker at a step boundary, no step lost and no failure counted, and the run trains at
-its undisturbed pace again. The decision itself: tests/test_stragglers.py."""
+its compute count against it, the rest in its waits for its peer, so it measures ~1.4x) on
+a local Ray: the driver reports it (`slow_worker`) within 50 steps, and with
+failure.stragglers: replace moves its rank to a new worker at a step boundary, no step lost
+and no failure counted, and the run trains at its undisturbed pace again. The decision itself: tests/test_stragglers.py."""
 
 import json
 import os

@@ -122,8 +122,8 @@ class Resizing:
                                                  if drain["deadline"] else None),
                             steps_lost=0, reason=drain["reason"], pids=[n.pid for n in reformed.nodes])
         if world != old_world or not leaving:  # replacements in the leavers' places: no resize
-            cause = ("preemption" if drains else "slow worker" if leaving else "lost workers replaced" if self.regrowing and reformed.added
-                     else "room to grow")
+            cause = ("preemption" if drains else "slow worker" if leaving
+                     else "lost workers replaced" if self.regrowing and reformed.added else "room to grow")
             waited = {}
             if self.capacity_wait is not None and world >= self.size:
                 waited = {"capacity_waited_s": round(time.time() - self.capacity_wait["since"], 3)}
