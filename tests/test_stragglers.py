@@ -74,6 +74,26 @@ def test_a_rank_slowed_mid_way_is_found_about_a_window_and_a_few_steps_later():
     assert [e["step"] for e in events.logged] == [77]  # 7 slow steps of 20 (51-57) in the older block: 1.35x
 
 
+def test_the_watch_judges_as_the_sums_over_the_last_two_windows_would_over_a_long_run():
+    import random
+
+    rng = random.Random(0)
+    times = [[rng.uniform(0.01, 0.02) for _ in range(4)] for _ in range(3000)]
+    for t in times[2000:]:
+        t[3] *= 1.4  # rank 3 slow from step 2001
+    first = None  # the step a brute-force judge of the last two windows finds rank 3 at
+    for end in range(40, len(times) + 1):
+        blocks = [[sum(col) for col in zip(*times[i:i + 20])] for i in (end - 40, end - 20)]
+        if slow_ranks(blocks, 1.3):
+            first = end
+            break
+    events = Events()
+    watch = StragglerWatch(events, "report", margin=1.3, window=20, node_ip=lambda r: None)
+    with pytest.warns(Warning):
+        feed(watch, 1, times)
+    assert first is not None and [(e["step"], e["rank"]) for e in events.logged] == [(first, 3)]
+
+
 def test_report_mode_reports_but_moves_nothing_and_off_measures_nothing():
     events = Events()
     watch = StragglerWatch(events, "report", margin=1.3, window=5, node_ip=lambda r: None)

@@ -25,7 +25,8 @@ from ..errors import warn
 from .metrics import EventLog
 
 BLOCKS = 2
-"""Blocks of straggler_window steps, one after the other, a rank must be slow in."""
+"""The blocks of straggler_window steps, one after the other, a rank must be slow in (the
+watch keeps two: an older and a newer)."""
 
 
 def block_ratios(totals: list[float]) -> list[float]:
@@ -61,8 +62,9 @@ class Slow:
 
 
 class StragglerWatch:
-    """Reads the ranks' compute times out of the training rows, block by block; says which
-    rank is slow (`slow`), with a `slow_worker` event and a line on the console, once per
+    """Reads the ranks' compute times out of the training rows and judges the last two
+    blocks of steps at each (their totals kept as running sums: a row costs one pass over
+    the ranks, not over the steps, however large the world); says which rank is slow (`slow`), with a `slow_worker` event and a line on the console, once per
     rank and group: a re-formed group (another world size, or a rank replaced) starts anew."""
 
     def __init__(self, events: EventLog, mode: str, margin: float, window: int,
@@ -75,6 +77,8 @@ class StragglerWatch:
     def formed(self) -> None:
         """A new group: its ranks are other processes, or numbered anew; judge them afresh."""
         self._steps: deque[tuple[int, list[float]]] = deque(maxlen=BLOCKS * self.window)  # (step, times)
+        self._older: list[float] = []  # each rank's total over the older block's steps (the first window)
+        self._newer: list[float] = []  # ... and over the newer block's
         self.slow = {}
 
     def rows(self, rows: list[dict[str, Any]]) -> None:
@@ -86,24 +90,36 @@ class StragglerWatch:
                 continue
             if self._steps and len(times) != len(self._steps[-1][1]):
                 self.formed()  # a row from before a resize, or after one the controller saw late
-            self._steps.append((row["step"], times))
+            self._push(row["step"], times)
             if len(self._steps) == self._steps.maxlen:
                 self._judge(row["step"])
 
+    def _push(self, step: int, times: list[float]) -> None:
+        """One step more: once both blocks are full, the oldest step leaves the older block
+        and the newer block's first step moves into it."""
+        if not self._steps:
+            self._older, self._newer = [0.0] * len(times), [0.0] * len(times)
+        if len(self._steps) == self._steps.maxlen:
+            oldest, crossing = self._steps[0][1], self._steps[self.window][1]
+            self._older = [a - o + c for a, o, c in zip(self._older, oldest, crossing)]
+            self._newer = [a - c + t for a, c, t in zip(self._newer, crossing, times)]
+        elif len(self._steps) < self.window:
+            self._older = [a + t for a, t in zip(self._older, times)]
+        else:
+            self._newer = [a + t for a, t in zip(self._newer, times)]
+        self._steps.append((step, times))
+
     def _judge(self, step: int) -> None:
-        steps = list(self._steps)
-        blocks = [[sum(col) for col in zip(*(t for _, t in steps[i:i + self.window]))]
-                  for i in range(0, len(steps), self.window)]
-        for rank, ratio in slow_ranks(blocks, self.margin).items():
+        for rank, ratio in slow_ranks([self._older, self._newer], self.margin).items():
             if rank not in self.slow:
-                self._report(Slow(rank, ratio, step, steps[0][0]))
+                self._report(Slow(rank, ratio, step, self._steps[0][0]))
 
     def _report(self, slow: Slow) -> None:
         self.slow[slow.rank] = slow
         node = self._node_ip(slow.rank)
         steps = slow.step - slow.since_step + 1
         self.events.log("slow_worker", step=slow.step, rank=slow.rank, node=node, ratio=round(slow.ratio, 3),
-                                steps=steps, since_step=slow.since_step, margin=self.margin, action=self.mode)
+                        steps=steps, since_step=slow.since_step, margin=self.margin, action=self.mode)
         then = ("it is moved to a new worker at the next step boundary" if self.mode == "replace" else
                 "set failure.stragglers=replace to move it to a new worker")
         warn(f"rank {slow.rank} (node {node}) is {slow.ratio:.2f}x slower than the other workers' median over "
