@@ -16,6 +16,7 @@ import raytrainer
 from .waits import wait_until
 
 SLOW_FROM_STEP = 30  # the duty cycle starts once training has run this far
+STEPS = 400
 
 
 def config(tmp_path):
@@ -23,9 +24,11 @@ def config(tmp_path):
         # Each step sleeps 50 ms in the task: a pace the load on a busy machine barely moves
         # (a busy loop's does: on a loaded 2-core machine it flagged a healthy rank too).
         "task": {"target": "tests.tasks:RegressionTask", "args": {"sleep_s": 0.05}},
-        "trainer": {"max_steps": 500, "global_batch_size": 32, "log_every_n_steps": 5},
+        "trainer": {"max_steps": STEPS, "global_batch_size": 32, "log_every_n_steps": 5},
         "scaling": {"num_workers": 2},
-        "failure": {"stragglers": "replace"},
+        # The duty cycle measures 1.33-1.36x here (see the module): a margin of 1.2 keeps the
+        # check off the edge of the default 1.3; the healthy rank reads about 0.75.
+        "failure": {"stragglers": "replace", "straggler_margin": 1.2},
         "run": {"name": "slow", "storage": str(tmp_path)},
     }
 
@@ -88,13 +91,13 @@ def test_a_worker_slowed_from_outside_is_reported_and_replaced_with_no_step_lost
         slower.join()
     events = result.events
     rows = sorted((r for r in read(result.run_dir / "metrics.jsonl") if "loss" in r), key=lambda r: r["step"])
-    assert [r["step"] for r in rows] == list(range(1, 501))  # every step once: none lost, none redone
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once: none lost, none redone
     assert not [e for e in events if e["event"] in ("worker_failed", "recovered")]
     assert all("rank_compute_s" not in r for r in rows)  # the times are the driver's, not metrics
 
     slowed_at = next(r["step"] for r in rows if r["time"] >= slower.started_at)
     slow = [e for e in events if e["event"] == "slow_worker"]
-    assert slow and slow[0]["rank"] == 1 and slow[0]["ratio"] >= 1.3, slow
+    assert slow and slow[0]["rank"] == 1 and slow[0]["ratio"] >= 1.2, slow
     assert slow[0]["step"] - slowed_at <= 50, (slowed_at, slow[0])
 
     moved = [e for e in events if e["event"] == "slow_worker_replaced"]
