@@ -18,6 +18,7 @@ import torch
 
 from ..data import to_device
 from .nonfinite import what_is_not_finite
+from .rollback import agreed_loss, roll_back
 
 if TYPE_CHECKING:
     from .loop import Loop
@@ -59,15 +60,22 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
 
 
 def finite(loop: Loop, step: int, total: torch.Tensor, carried: list[float] | None,
-           norm: torch.Tensor | None, scaler: torch.amp.GradScaler | None) -> bool:
+           norm: torch.Tensor | None, scaler: torch.amp.GradScaler | None) -> bool | None:
     """Whether step `step`'s update may be applied (trainer.nonfinite, see nonfinite.py); if
-    not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on."""
-    what = what_is_not_finite(step, loop.outputs.keys["train"].index("loss"), total, carried, norm, rank=loop.rank,
+    not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on.
+    None: the run went back to an earlier step (rollback, see rollback.py)."""
+    loss_col, waiting = loop.outputs.keys["train"].index("loss"), lambda: loop._phase("collective")
+    what = what_is_not_finite(step, loss_col, total, carried, norm, rank=loop.rank,
                               world_size=loop.world_size, grads=scaler is None, module=loop.module,
-                              waiting=lambda: loop._phase("collective"))
+                              waiting=waiting)
+    if what is None and loop.spikes.factor is not None:
+        what = loop.spikes.judge(step, agreed_loss(loss_col, total, carried, loop.world_size, waiting))
     if what is None:
         loop.nonfinite.finite()
         return True
+    if loop.rollbacks is not None:
+        roll_back(loop, step, what)  # or the run stops here
+        return None
     loop.nonfinite.drop(step, what, loop.rank)  # or the run stops here
     loop.train.abandon_step()
     return False
