@@ -1,6 +1,6 @@
 """A worker slowed from outside the task's code (a SIGSTOP/SIGCONT duty cycle on its pid,
 half of each 100 ms stopped: its steps take twice as long; of the stops, those that fall in
-its compute count against it, the rest in its waits for its peer, so it measures ~1.4x) on
+its compute count against it, the rest in its waits for its peer: it measures well under 2x) on
 a local Ray: the driver reports it (`slow_worker`) within 50 steps, and with
 failure.stragglers: replace moves its rank to a new worker at a step boundary, no step lost
 and no failure counted, and the run trains at its undisturbed pace again. The decision itself: tests/test_stragglers.py."""
@@ -26,8 +26,9 @@ def config(tmp_path):
         "task": {"target": "tests.tasks:RegressionTask", "args": {"sleep_s": 0.05}},
         "trainer": {"max_steps": STEPS, "global_batch_size": 32, "log_every_n_steps": 5},
         "scaling": {"num_workers": 2},
-        # The duty cycle measures 1.33-1.36x here (see the module): a margin of 1.2 keeps the
-        # check off the edge of the default 1.3; the healthy rank reads about 0.75.
+        # The duty cycle's ratio swings from window to window (a stop falls in the rank's
+        # compute or in its wait by chance, see the module): a margin of 1.2 keeps the check
+        # off the edge of the default 1.3, which it crossed within 27 steps in the runs kept.
         "failure": {"stragglers": "replace", "straggler_margin": 1.2},
         "run": {"name": "slow", "storage": str(tmp_path)},
     }
