@@ -31,6 +31,7 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
     """Run this rank's micro-batches of the step and return their metrics, weighted like the
     loss (this rank's share of the global batch). Where the strategy has a carrier, the
     metrics, the pause flag and the save ask ride on the gradient all-reduce."""
+    started = time.perf_counter()  # this rank's compute time runs from here (window.Carrier)
     sizes = loop.plan.micro_batch_sizes(loop.rank)
     batches = loop.train_input.batches(loop.epoch, loop.position, loop.step)
     last = len(sizes) - 1
@@ -48,7 +49,8 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
                 loss, values = loss / divisor, values / divisor
             total = values if total is None else total + values
             if sync and carrier is not None:
-                carrier.send(total, loop.pause_requested, loop._save_wanted(), loop.world_size)
+                carrier.send(total, loop.pause_requested, loop._save_wanted(), loop.world_size,
+                             rank=loop.rank, started=started)
             # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
             # the last backward.
             with loop._phase("collective") if sync and loop.world_size > 1 else _NO_PHASE:
