@@ -290,6 +290,11 @@ class WorkerGroup(Protocol):
         ...
 
 
+COMPUTE_KEY = "rank_compute_s"
+"""A training row's field where the step's metrics rode the gradient all-reduce: each rank's
+own compute time of the step, in seconds, by rank (worker/window.py measures it). The driver
+takes it out of the row to find slow workers (driver/stragglers.py); it is not a metric."""
+
 NAMESPACE = "raytrainer"
 """The Ray namespace of the workers' actor names: a new driver of a run finds the workers a
 lost driver left (failure.driver_grace_s) among the actors named there."""

@@ -166,6 +166,25 @@ class BadRecordTask(RegressionTask):
         return data
 
 
+class SpikedRecordTask(RegressionTask):
+    """One training record whose label is `scale` times too large: the step that trains on it
+    has a finite loss millions of times the others' (inf: not finite), and its update wrecks
+    the weights. scale 1: the same data, clean. A linear model: it reaches the noise floor in
+    a few dozen steps, so runs that trained on slightly different batches end alike."""
+
+    def __init__(self, bad_sample=37, scale=1e6, **kwargs):
+        super().__init__(**kwargs)
+        self.bad_sample, self.scale = bad_sample, scale
+
+    def build_model(self):
+        return torch.nn.Linear(4, 1)
+
+    def train_dataset(self):
+        data = super().train_dataset()
+        data.tensors[1][self.bad_sample] *= self.scale
+        return data
+
+
 class TinyTask(RegressionTask):
     """A dataset smaller than the global batch used by the tests."""
 

@@ -221,8 +221,8 @@ def test_smoke_bench_reports_every_figure(tmp_path, tagged):
 
     # raytrainer's run is a real finished run directory: plot it.
     plot = plot_runs([runs["raytrainer"]["run_dir"]], tmp_path / "run.png")
-    assert plot.panels == ["loss", "learning rate", "throughput", "world size"]
-    assert read_png(plot.path).shape[:2] == expected_shape(4)
+    assert plot.panels == ["loss", "learning rate", "throughput", "world size", "where the time went"]
+    assert read_png(plot.path).shape[:2] == expected_shape(5)
 
 
 @pytest.mark.slow

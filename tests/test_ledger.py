@@ -148,3 +148,13 @@ def test_a_real_run_with_a_kill_a_checkpoint_and_validation(ray_local, tmp_path,
     shown = capsys.readouterr().out
     assert "finished at step 16" in shown and "1 recovered from: 1 lost worker(s)" in shown
     assert_no_leaks()
+
+
+def test_a_slow_rank_is_a_note_of_the_training_it_held_back_until_its_replacement():
+    # steps 1..21 a second apart; rank 1 judged 2x slow from step 1 (found at step 11), replaced at 111
+    events = [ev("run_started", 100), ev("slow_worker", 110, 11, rank=1, ratio=2.0, since_step=1),
+              ev("slow_worker_replaced", 111, 11, rank=1, steps_lost=0), ev("finished", 120, 21)]
+    out = ledger(events, rows(range(1, 22), 100))
+    assert out.slowed_s == {"1": pytest.approx(11 * 0.5)}  # from step 1's row (100) to the move (111), half of it
+    assert sum(out.buckets.values()) == pytest.approx(out.wall_s)  # training, slower: no bucket
+    assert any("slowed by rank 1: 27.5%" in line for line in out.lines())

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -386,9 +387,12 @@ def test_ctx_state_due_is_the_auto_interval_of_the_reports_with_state():
             ctx.report({"step": step, "loss": 1.0}, state={"w": torch.zeros(4)} if due else None)
 
     config = load_config({"task": {"loop": "tests.tasks:regression_loop"}, "trainer": {"max_steps": 20}})
-    loop = UserLoop(fn, config, rank=0, world_size=1, device=torch.device("cpu"), report=lambda rows: None,
-                    notify=lambda event: None, checkpoints=None)
-    loop.fit()
+    # A UserLoop sets torchrun's variables (LOCAL_RANK, ...) in its process, a worker's: here
+    # the test's, where they would make later tests' Hugging Face or accelerate set up a group.
+    with mock.patch.dict(os.environ):
+        loop = UserLoop(fn, config, rank=0, world_size=1, device=torch.device("cpu"), report=lambda rows: None,
+                        notify=lambda event: None, checkpoints=None)
+        loop.fit()
     assert carried[:2] == [1, 1 + AUTO_FIRST] and len(carried) >= 3
     assert loop.state_interval.agreed is not None and loop.step == carried[-1]
 

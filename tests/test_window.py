@@ -2,11 +2,14 @@
 ride on its gradient all-reduce (window.Carrier), and give what a collective of their own
 gave, without touching the gradients."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from raytrainer.config import TrainerConfig
+from raytrainer.contract import COMPUTE_KEY
 from raytrainer.worker.loop import Loop, LoopSettings, Outlets
 from raytrainer.worker.strategy import DDP
 
@@ -41,6 +44,8 @@ def test_carried_metrics_match_a_window_reduction_and_leave_the_weights_bit_iden
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
     train = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 8))
+    times = [r.pop(COMPUTE_KEY) for r in train]  # each rank's own compute time, carried too
+    assert all(len(t) == 2 and all(x > 0 for x in t) for t in times)
     drop = ("time", "samples_per_s")  # wall-clock fields
     assert [{k: v for k, v in r.items() if k not in drop} for r in rows] == \
         [{k: v for k, v in r.items() if k not in drop} for r in expected]
@@ -68,17 +73,21 @@ def _carry(rank, world):
     model = strategy.wrap(torch.nn.Linear(64, 3), world, torch.device("cpu"))  # one bucket of 195
     inputs = torch.Generator().manual_seed(rank)
     metrics = torch.randn(3, generator=inputs)  # values whose 3-term sums depend on the order
-    strategy.carrier.send(metrics, pause_requested=rank == 1)
+    started = time.perf_counter() - rank  # rank r has computed r seconds longer
+    strategy.carrier.send(metrics, pause_requested=rank == 1, world_size=world, rank=rank, started=started)
     model(torch.randn(8, 64, generator=inputs)).square().mean().backward()
     plain = torch.cat([metrics, torch.tensor([float(rank == 1)])])
     dist.all_reduce(plain)
-    return strategy.carrier.receive(), plain
+    carried = strategy.carrier.receive()
+    return torch.cat([carried[:3], carried[-1:]]), plain, carried[3:-1]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_metrics_carried_by_the_gradient_all_reduce_equal_a_plain_all_reduce_of_them(world):
-    carried, plain = run_ranks(_carry, world)[0]
+    carried, plain, times = run_ranks(_carry, world)[0]
     assert plain[-1] == 1  # rank 1's pause flag, summed
+    # one column per rank, its own compute time (the others sent zero): about r seconds for rank r
+    assert [round(t) for t in times.tolist()] == list(range(world)) and times[0] > 0
     if world == 2:
         assert torch.equal(carried, plain)
     else:  # summed in another order (see strategy._allreduce_carrying): the last bit may differ

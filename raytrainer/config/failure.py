@@ -130,6 +130,18 @@ class FailureConfig:
     by themselves, releasing their resources (`raytrainer release RUN_DIR` at once). 0:
     they end with their driver, as Ray's actors do, and a new driver continues from the
     newest checkpoint."""
+    stragglers: Literal["report", "replace", "off"] = "report"
+    """A worker persistently slower than the others (straggler_margin times their median
+    compute time per step, over straggler_window steps, twice in a row) holds every step
+    back. report: a `slow_worker` event and a console line; replace: that too, then the
+    worker is moved to a new process (a warm spare or a fresh worker) at a step boundary,
+    as a worker leaves a draining node: from the others' memory, no step lost, no failure
+    counted; off: not judged (the times still ride along: a float per rank and step). Each rank's compute time (its data, forward and backward,
+    not its waits for its peers) rides the gradient all-reduce: DDP on 2 or more workers."""
+    straggler_margin: float = 1.3
+    """How much slower than the other ranks' median a rank's compute must be to count."""
+    straggler_window: int = 20
+    """The steps a slow rank is judged over (twice: one slow window may be a hiccup)."""
     chaos: list[ChaosFault] = field(default_factory=list)
     """Faults to inject (see ChaosFault)."""
 
@@ -151,5 +163,9 @@ class FailureConfig:
         if self.driver_grace_s < 0:
             raise ConfigError(f"failure.driver_grace_s={self.driver_grace_s} must be >= 0 (0: workers end with "
                               "their driver)")
+        if self.straggler_margin <= 1.0:
+            raise ConfigError(f"failure.straggler_margin={self.straggler_margin} must be > 1 (e.g. 1.3: 30% slower)")
+        if self.straggler_window < 1:
+            raise ConfigError(f"failure.straggler_window={self.straggler_window} must be >= 1")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"failure.collective_timeout_s={self.collective_timeout_s} must be > 0")

@@ -167,15 +167,24 @@ class TrainerConfig:
     """Debug: run N training steps and N validation batches per worker, then stop."""
     overfit_batches: int = 0
     """Debug: train on the same first N global batches every epoch."""
-    nonfinite: Literal["stop", "skip", "off"] = "stop"
+    nonfinite: Literal["stop", "skip", "rollback", "off"] = "stop"
     """A step whose loss (or, with grad_clip_norm, gradient norm) is NaN or Inf, on any rank,
     is never applied. stop: the run fails at that step (exit status 1), naming the step,
     the ranks and the metric; its checkpoints hold only finite weights. skip: that update is
     dropped on every rank and counted ('nonfinite_skips', a nonfinite_skipped event); more
-    than nonfinite_max_skips in a row stop the run. off: no check (fp16's scaler still skips
-    steps whose gradients overflow)."""
+    than nonfinite_max_skips in a row stop the run. rollback: every rank goes back to the
+    state it keeps in memory (every failure.snapshot_every_n_steps steps), the data moves past
+    the batches since, and the run goes on (a rolled_back event; see worker/rollback.py). off:
+    no check (fp16's scaler still skips steps whose gradients overflow)."""
     nonfinite_max_skips: int = 10
     """trainer.nonfinite=skip: how many non-finite steps in a row are skipped before the run stops."""
+    spike_factor: float | None = None
+    """trainer.nonfinite=rollback: a step whose loss (the mean over every rank's batch) is
+    finite but over this many times the median of the recent steps' losses is rolled back too
+    (a spike: a bad batch, or weights starting to diverge). null: only non-finite losses."""
+    rollback_max: int = 3
+    """trainer.nonfinite=rollback: more rollbacks than this within 100 steps stop the run as
+    `stop` does (the same bad data or a learning rate that keeps diverging)."""
 
     def __post_init__(self):
         for key in ("max_epochs", "max_steps", "global_batch_size", "micro_batch_size",
@@ -192,6 +201,7 @@ class TrainerConfig:
         for key in ("fast_dev_run", "overfit_batches", "nonfinite_max_skips"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be >= 0 (0 turns it off)")
+        self._check_rollback()
         if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
             raise ConfigError(f"trainer.grad_clip_norm={self.grad_clip_norm} must be > 0")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
@@ -207,6 +217,16 @@ class TrainerConfig:
         elif self.fsdp is not None:
             raise ConfigError("trainer.fsdp is set but trainer.strategy is ddp; set strategy: fsdp, "
                               "or remove the fsdp section")
+
+    def _check_rollback(self) -> None:
+        if self.spike_factor is not None and self.nonfinite != "rollback":
+            raise ConfigError(f"trainer.spike_factor={self.spike_factor} needs trainer.nonfinite: rollback "
+                              f"(it is {self.nonfinite}): a finite spike is undone by going back, not stopped "
+                              "or skipped")
+        if self.spike_factor is not None and not self.spike_factor > 1:
+            raise ConfigError(f"trainer.spike_factor={self.spike_factor} must be > 1 (e.g. 10), or null")
+        if self.rollback_max < 1:
+            raise ConfigError(f"trainer.rollback_max={self.rollback_max} must be >= 1")
 
     def _join_val_every(self) -> None:
         """val_every_n_steps and validation.every_n_steps are one setting under two names:

@@ -45,6 +45,10 @@ the survivors' memory; nothing is lost and no failure is counted. A `node_draini
 event says when the drain was seen, a `left_node` event when the workers left (and a
 `resized` event with cause "preemption" if the world size changed). A node that goes
 before its workers could leave is a lost node like any other: a failure, recovered.
+
+A rank persistently slower than the others (stragglers.py, from the compute times that
+come with the rows) is reported; with failure.stragglers: replace it leaves the same way
+as a worker on a draining node, its replacement in its place (`slow_worker_replaced`).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resu
 from ..errors import CheckpointCorrupt, ConfigError, RaytrainerError, Stopped, WorkerError, warn
 from .metrics import EventLog, MetricsHub
 from .drainwatch import DrainWatch
+from .stragglers import StragglerWatch
 from .policy import FailurePolicy, poll_wait
 from .recorder import Recorder
 from .recovery import Recovery
@@ -178,6 +183,8 @@ class Controller:
         self.drains = DrainWatch(group, self.events, settings.drain_check_s, settings.replace_timeout_s,
                                  self._node_ip)
         self.resizing = Resizing(group, self.events, settings)
+        self.stragglers = StragglerWatch(self.events, self.failure.stragglers, self.failure.straggler_margin,
+                                         self.failure.straggler_window, self._node_ip)
         self.recovery = Recovery(self)
         self._gave_up: str | None = None
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
@@ -216,6 +223,7 @@ class Controller:
                 else:
                     self.resizing.check_short(self.world)
                     self._watch_drains()
+                    self._move_stragglers()
                     self._look_for_room()
             self._finish(t0)
             return self.result
@@ -259,6 +267,7 @@ class Controller:
         self.world = len(nodes)
         self._paused, self._pause_asked, self._leaving = {}, None, {}
         self.resizing.formed(self.world)
+        self.stragglers.formed()
         if check_storage:
             checked = self.group.check_storage(nodes)  # before any work that storage would lose
             if checked:
@@ -356,6 +365,7 @@ class Controller:
             reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
         self.world, self._nodes = reformed.world_size, reformed.nodes
         self._paused, self._pause_asked, self._leaving = {}, None, {}
+        self.stragglers.formed()
         self.group.launch()
         self.watchdog.reset()
         return reformed
@@ -382,6 +392,7 @@ class Controller:
     def _record(self, rows: list[dict[str, Any]]) -> None:
         """The rows not recorded before go to the records; the run's step follows them."""
         rows = self.recorder.fresh(rows)
+        self.stragglers.rows(rows)  # takes the ranks' compute times out: not metrics
         if rows:
             self.step = max(self.step, rows[-1]["step"])
             self.recorder.write(rows)
@@ -421,9 +432,23 @@ class Controller:
         if self._pause_asked is not None:
             return
         leaving = self.drains.check(self._nodes, self.world, self.min_workers, self.step,
-                                   self.recorder.pause_estimate())
+                                   self.recorder.pause_estimate(), keep=self.stragglers.to_replace())
         if leaving:
             self._leaving = leaving
+            self._pause()
+
+    def _move_stragglers(self) -> None:
+        """failure.stragglers replace: once the replacement started for a slow rank is up,
+        ask every worker to pause, so that the group re-forms with it in the slow one's place
+        (`_resize`), as a worker leaves a draining node: from the others' memory, nothing
+        lost. Not a failure: the slow worker is alive and its state good."""
+        slow = self.stragglers.to_replace()
+        if not slow or self._pause_asked is not None:
+            return
+        ready = self.group.replacements(sorted(set(slow) | set(self.drains.leaving)))
+        if set(slow) <= set(ready):
+            self._leaving = {r: {"node_id": self._nodes[r].node_id, "deadline": None, "reason": "slow worker",
+                                 "slow": True} for r in slow}
             self._pause()
 
     def _resize(self) -> None:

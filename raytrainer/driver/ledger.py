@@ -16,7 +16,8 @@ A hold is taken from the part of the timeline its step's after-step work falls i
 step's saves are in stopping's time, a save right before a failure in the recovery's.
 
 Training below the run's size (waiting for capacity) is training: the ledger says how long
-(`below_size_s`), not a bucket. The time between attempts (a driver killed, a job requeued,
+(`below_size_s`), not a bucket; so is training held back by a slow worker (`slowed_s`, from
+`slow_worker` events). The time between attempts (a driver killed, a job requeued,
 a run resumed a week later) is `down_s`, left out of the wall time: whether the run was
 meant to be running then is not in its files.
 """
@@ -53,6 +54,8 @@ class Ledger:
     failures: dict[str, int] = field(default_factory=dict)
     """Failures by kind (worker_failed's: died, hung, error; preempted: left_node), peers only
     interrupted by one not counted."""
+    slowed_s: dict[str, float] = field(default_factory=dict)
+    """Training time lost to a slow rank, by rank (see _slowed)."""
     step_s: float | None = None
     """The median training step: what a lost step costs to do again."""
     spans: list[tuple[float, float, str]] = field(default_factory=list, repr=False)
@@ -77,6 +80,9 @@ class Ledger:
         notes = []
         if self.below_size_s > 0:
             notes.append(f"trained below its size for {_duration(self.below_size_s)}")
+        for rank, seconds in sorted(self.slowed_s.items()):
+            if self.wall_s:
+                notes.append(f"slowed by rank {rank}: {seconds / self.wall_s:.1%}")
         if self.attempts > 1:
             notes.append(f"{self.attempts} attempts, down {_duration(self.down_s)} between them (not counted)")
         return lines + (["  " + "; ".join(notes)] if notes else [])
@@ -116,6 +122,8 @@ def ledger(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Ledger:
             out.buckets[k] += v
         out.wall_s += end - start
         out.below_size_s += _below_size(attempt, end)
+        for rank, seconds in _slowed(attempt, mine, end).items():
+            out.slowed_s[rank] = out.slowed_s.get(rank, 0.0) + seconds
         out.failures.update(part.failures)
         out.spans += part.spans
         last_step = mine[-1]["step"] if mine else last_step
@@ -280,6 +288,32 @@ def _below_size(attempt: list[dict[str, Any]], end: float) -> float:
             total += float(e["capacity_waited_s"])
             since = None
     return total + (end - since if since is not None else 0.0)
+
+
+REFORMS = ("slow_worker_replaced", "recovered", "resized", "left_node", "group_formed")
+"""Events after which the ranks are other workers, or numbered anew."""
+
+
+def _slowed(attempt: list[dict[str, Any]], train: list[dict[str, Any]], end: float) -> dict[str, float]:
+    """Training time lost to each slow rank (`slow_worker`): from the first step it was
+    judged slow over to the next re-form (its replacement) or the attempt's end, the share
+    a group at the others' pace would not have taken (1 - 1 / ratio)."""
+    at = {r["step"]: r["time"] for r in train}
+    slowed: dict[str, float] = {}
+    open_: dict[str, tuple[float, float]] = {}  # rank -> (since, ratio)
+
+    def close(until: float) -> None:
+        for rank, (since, ratio) in open_.items():
+            slowed[rank] = slowed.get(rank, 0.0) + max(0.0, until - since) * (1 - 1 / max(ratio, 1.0))
+        open_.clear()
+
+    for e in attempt:
+        if e.get("event") == "slow_worker" and isinstance(e.get("ratio"), (int, float)):
+            open_[str(e.get("rank"))] = (at.get(e.get("since_step"), e["time"]), float(e["ratio"]))
+        elif e.get("event") in REFORMS:
+            close(e["time"])
+    close(end)
+    return slowed
 
 
 def of_dir(run_dir: Path) -> Ledger:

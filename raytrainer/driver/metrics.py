@@ -463,6 +463,9 @@ def notice(e: dict[str, Any]) -> str | None:
                 f"{e['world_size']} of {e['size']} and grows back when the cluster has room")
     if kind == "checkpoint_skipped":
         return f"raytrainer: checkpoint {e['checkpoint']} skipped: {e['why']}"
+    if kind == "rolled_back":
+        return (f"raytrainer: rolled back from step {step} to step {e['to_step']} in memory, past "
+                f"{e['skipped_batches']} batch(es): {e['why']}")
     return None
 
 

@@ -223,9 +223,10 @@ def _world_size(ax, runs, colors) -> None:
 def _timeline(ax, runs) -> None:
     """A lane a run: training (green) under the ledger's spans of other time, a colour each."""
     colors = dict(zip(LOST, ("tab:gray", "tab:orange", "tab:red", "tab:purple", "tab:blue", "tab:cyan", "tab:brown")))
-    seen = set()
+    seen, labels = set(), []
     for lane, run in enumerate(runs):
         account = ledger(run.events, run.rows)
+        labels.append(f"{run.name}\n{account.goodput:.1%}" if account.wall_s > 0 else run.name)
         if account.wall_s <= 0:
             continue
         ends = [t for span in account.spans for t in span[:2]]
@@ -237,13 +238,15 @@ def _timeline(ax, runs) -> None:
             if bars:
                 ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[bucket], label=None if bucket in seen else bucket)
                 seen.add(bucket)
-        ax.text(0, lane, f" {account.goodput:.1%} ", va="center", ha="right", fontsize="small")
-    ax.set_yticks(range(len(runs)), [run.name for run in runs] if len(runs) > 1 else [""])
-    ax.set_title("where the time went (goodput)")
+    # The run's goodput beside its lane (a lone run's in the title), the legend in a band above.
+    ax.set_yticks(range(len(runs)), labels if len(runs) > 1 else [""])
+    ax.set_ylim(-0.6, len(runs) + 0.5)
+    ax.set_title("where the time went" + (f" (goodput {labels[0].split(chr(10))[-1]})" if len(runs) == 1
+                                           and "\n" in labels[0] else ""))
     ax.set_xlabel("seconds since run start")
     ax.grid(alpha=0.3)
     if seen:
-        ax.legend(fontsize="small", ncols=2)
+        ax.legend(fontsize="small", ncols=4, loc="upper center")
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
 

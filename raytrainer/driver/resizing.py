@@ -104,10 +104,16 @@ class Resizing:
     def resized(self, old_world: int, world: int, old_nodes: list[Node], leaving: dict[int, dict[str, Any]],
                 reformed: Reformed, seconds: float) -> None:
         """The group re-formed after a pause, from `old_world` ranks on `old_nodes` to `world`,
-        without the `leaving` ones (rank -> its node's drain); `seconds`: the pause."""
-        for node_id in sorted({d["node_id"] for d in leaving.values()}):
-            ranks = sorted(r for r, d in leaving.items() if d["node_id"] == node_id)
-            drain = leaving[ranks[0]]
+        without the `leaving` ones (rank -> its node's drain, or a slow worker's move);
+        `seconds`: the pause."""
+        for rank in sorted(r for r, d in leaving.items() if d.get("slow")):
+            self.events.log("slow_worker_replaced", step=reformed.step, rank=rank, node=old_nodes[rank].ip,
+                            old_pid=old_nodes[rank].pid, moved=rank in reformed.moved, seconds=seconds, steps_lost=0,
+                            pids=[n.pid for n in reformed.nodes])
+        drains = {r: d for r, d in leaving.items() if not d.get("slow")}
+        for node_id in sorted({d["node_id"] for d in drains.values()}):
+            ranks = sorted(r for r, d in drains.items() if d["node_id"] == node_id)
+            drain = drains[ranks[0]]
             self.events.log("left_node", step=reformed.step, node=old_nodes[ranks[0]].ip, node_id=node_id,
                             deadline=drain["deadline"], ranks=ranks,
                             moved=[r for r in ranks if r in reformed.moved],
@@ -116,8 +122,8 @@ class Resizing:
                                                  if drain["deadline"] else None),
                             steps_lost=0, reason=drain["reason"], pids=[n.pid for n in reformed.nodes])
         if world != old_world or not leaving:  # replacements in the leavers' places: no resize
-            cause = ("preemption" if leaving else "lost workers replaced" if self.regrowing and reformed.added
-                     else "room to grow")
+            cause = ("preemption" if drains else "slow worker" if leaving
+                     else "lost workers replaced" if self.regrowing and reformed.added else "room to grow")
             waited = {}
             if self.capacity_wait is not None and world >= self.size:
                 waited = {"capacity_waited_s": round(time.time() - self.capacity_wait["since"], 3)}

@@ -74,6 +74,7 @@ def where(loop: Loop, rows: bool) -> dict[str, Any]:
             "best": loop.stopping.best, "bad_validations": loop.stopping.bad_validations,
             "after_pending": loop._after_pending, "stop_reason": loop.stop_reason,
             "global_batch_size": loop.cfg.global_batch_size, "world_size": loop.world_size,
+            "recent_losses": list(loop.spikes.recent),
             "rows": [r for r in loop.window.recent if r["step"] <= loop.step] if rows else []}
 
 
@@ -82,6 +83,7 @@ def go_back(loop: Loop, saved: dict[str, Any]) -> None:
     the world size now is."""
     loop.step, loop.skipped_steps = saved["step"], saved["skipped_steps"]
     loop.nonfinite.skips = saved.get("nonfinite_skips", 0)
+    loop.spikes.recent = [tuple(pair) for pair in saved.get("recent_losses", ())]
     if "position" in saved:
         loop.epoch, loop.position = saved["epoch"], saved["position"]
     else:  # written before the position was saved: always a fixed global batch then

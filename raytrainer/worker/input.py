@@ -312,6 +312,10 @@ class MapInput:
         if not self.cfg.persistent_workers:
             self.close()
 
+    def pass_over(self, through_step: int, at_step: int) -> None:
+        """A rollback: the loop moves its position past the batches passed over."""
+        self.reset()
+
     def state_dict(self, step: int) -> None:
         return None  # the position is the loop's (epoch, position)
 
@@ -429,6 +433,13 @@ class StreamInput:
 
     def reset(self) -> None:
         self.close()
+
+    def pass_over(self, through_step: int, at_step: int) -> None:
+        """A rollback: from `at_step` steps done on, the items after those of step
+        `through_step` (a new segment: the steps no longer follow from the old one's start)."""
+        self.close()
+        seg = self.segment
+        self.segment = self._segment(seg["base"] + _items_read(seg, through_step - seg["start_step"]), at_step)
 
     def state_dict(self, step: int) -> dict[str, Any]:
         return dict(self.segment)

@@ -63,6 +63,7 @@ from .strategy import build_strategy
 from ..task import Task
 from .validation import AsyncValidation
 from .nonfinite import NonFiniteSteps
+from .rollback import LossSpikes, rollbacks
 from .outputs import StepOutputs
 from .warm import Prebuilt, train_state
 from .window import MetricsWindow, Report
@@ -90,13 +91,15 @@ class LoopSettings:
     a worker's micro-batch stays what it is at that size, and it accumulates more of them."""
     task: TaskConfig | None = None
     """How validation actors build the task (trainer.validation.async); None: sync only."""
+    snapshot_every_n_steps: int | str = "auto"
+    """failure.snapshot_every_n_steps: also how often trainer.nonfinite=rollback keeps a state."""
 
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
         return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
                    chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
                    max_world_size=config.scaling.max_workers, min_world_size=config.scaling.size,
-                   task=config.task)
+                   task=config.task, snapshot_every_n_steps=config.failure.snapshot_every_n_steps)
 
 
 @dataclass(kw_only=True)
@@ -153,6 +156,7 @@ class Loop:
         self._after_pending = False  # the work after self.step (validation, ...) is not done
         self.skipped_steps = 0
         self.nonfinite = NonFiniteSteps(cfg.nonfinite, cfg.nonfinite_max_skips, self.notify)
+        self.spikes = LossSpikes(cfg.spike_factor)  # part of the state: every rank judges alike
         self.stop_reason: str | None = None
         self.stopping = EarlyStopping(cfg.early_stopping)
         self.chaos = Chaos(list(settings.chaos), cfg.seed, self.notify, outlets.chaos_claim)
@@ -176,6 +180,7 @@ class Loop:
         self._compile_unreported = cfg.compile is not None  # the `compiled` event after the first step
         self._graphs_at_join = graph_count() if cfg.compile is not None else 0
         self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
+        self.rollbacks = rollbacks(cfg, settings.snapshot_every_n_steps, self.snapshots, self.train_input, self.step)
         self._last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
         self.pause_requested = False  # set by the driver's thread: pause at a common step
@@ -218,6 +223,8 @@ class Loop:
             if self.snapshots is not None and self.snapshots.due(self.step):
                 if (event := self.snapshots.take(self.step, self.state_dict())) and self.rank == 0:
                     self.notify(event)
+            if self.rollbacks is not None and self.rollbacks.kept.due(self.step):
+                self.rollbacks.kept.take(self.step, self.train.state_dict, self.world_size)
             if self.keeper is not None:
                 self.keeper(self.step, self.state_dict)
             if not self.plan.fits(self.position):
@@ -296,6 +303,9 @@ class Loop:
             if carried is not None:
                 carried = carried.tolist()  # the step's one copy to the host: the check's, and the window's
             applied = finite(self, step, total, carried, norm, scaler)
+            if applied is None:  # rolled back: self.step is an earlier one, the data past this step's
+                optimizer.zero_grad(set_to_none=True)
+                return
         if norm is not None:
             # The norm of all-reduced gradients is the same on every rank: carried steps
             # report it as it is; a window reduces it with the rest.
@@ -390,6 +400,8 @@ class Loop:
         self.saver.rank = rank
         self.plan = self._plan()
         self.train_input.regroup(self.plan, rank, self.step)
+        if self.rollbacks is not None:  # a replacement keeps none yet: no rank goes back past here
+            self.rollbacks.kept.reset(self.step)
         self.wrapped = self.strategy.wrap(self.module, world_size, self.device, synced=True)  # the same state, all
         # Compiled again over the new wrapper: dynamo finds the graphs it compiled for the
         # module (compiling.py); the event after the next step shows whether it did.

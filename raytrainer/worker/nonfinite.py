@@ -1,6 +1,7 @@
 """Non-finite steps (trainer.nonfinite): whether a step's update may be applied, decided
 alike on every rank with no collective of its own; then the run stops before that update
-(NonFiniteLoss), or, with `skip`, the step is dropped and counted."""
+(NonFiniteLoss), or, with `skip`, the step is dropped and counted; with `rollback` the run
+goes back to a state kept in memory (rollback.py)."""
 
 from __future__ import annotations
 

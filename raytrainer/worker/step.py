@@ -18,6 +18,7 @@ import torch
 
 from ..data import to_device
 from .nonfinite import what_is_not_finite
+from .rollback import agreed_loss, roll_back
 
 if TYPE_CHECKING:
     from .loop import Loop
@@ -30,6 +31,7 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
     """Run this rank's micro-batches of the step and return their metrics, weighted like the
     loss (this rank's share of the global batch). Where the strategy has a carrier, the
     metrics, the pause flag and the save ask ride on the gradient all-reduce."""
+    started = time.perf_counter()  # this rank's compute time runs from here (window.Carrier)
     sizes = loop.plan.micro_batch_sizes(loop.rank)
     batches = loop.train_input.batches(loop.epoch, loop.position, loop.step)
     last = len(sizes) - 1
@@ -47,7 +49,8 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
                 loss, values = loss / divisor, values / divisor
             total = values if total is None else total + values
             if sync and carrier is not None:
-                carrier.send(total, loop.pause_requested, loop._save_wanted(), loop.world_size)
+                carrier.send(total, loop.pause_requested, loop._save_wanted(), loop.world_size,
+                             rank=loop.rank, started=started)
             # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
             # the last backward.
             with loop._phase("collective") if sync and loop.world_size > 1 else _NO_PHASE:
@@ -57,15 +60,22 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
 
 
 def finite(loop: Loop, step: int, total: torch.Tensor, carried: list[float] | None,
-           norm: torch.Tensor | None, scaler: torch.amp.GradScaler | None) -> bool:
+           norm: torch.Tensor | None, scaler: torch.amp.GradScaler | None) -> bool | None:
     """Whether step `step`'s update may be applied (trainer.nonfinite, see nonfinite.py); if
-    not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on."""
-    what = what_is_not_finite(step, loop.outputs.keys["train"].index("loss"), total, carried, norm, rank=loop.rank,
+    not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on.
+    None: the run went back to an earlier step (rollback, see rollback.py)."""
+    loss_col, waiting = loop.outputs.keys["train"].index("loss"), lambda: loop._phase("collective")
+    what = what_is_not_finite(step, loss_col, total, carried, norm, rank=loop.rank,
                               world_size=loop.world_size, grads=scaler is None, module=loop.module,
-                              waiting=lambda: loop._phase("collective"))
+                              waiting=waiting)
+    if what is None and loop.spikes.factor is not None:
+        what = loop.spikes.judge(step, agreed_loss(loss_col, total, carried, loop.world_size, waiting))
     if what is None:
         loop.nonfinite.finite()
         return True
+    if loop.rollbacks is not None:
+        roll_back(loop, step, what)  # or the run stops here
+        return None
     loop.nonfinite.drop(step, what, loop.rank)  # or the run stops here
     loop.train.abandon_step()
     return False

@@ -294,6 +294,7 @@ def _allreduce_carrying(carrier, bucket):
     extra = carrier.outgoing
     if not bucket.is_last() or extra is None:
         return carrier.all_reduce(buffer).then(lambda fut: fut.value()[0])
+    carrier.stamp()  # every gradient is computed: this rank's compute time ends here
     if buffer.dtype != extra.dtype:  # half-precision gradients: the metrics keep float32, apart
         grads = carrier.all_reduce(buffer)
         metrics = carrier.all_reduce(extra)

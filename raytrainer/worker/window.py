@@ -10,6 +10,10 @@ over ranks in one of two ways:
   one flush and collected at the next, so training never waits for it (rows reach the
   driver one window later).
 
+Carried steps also hold each rank's compute time for the step (one column per rank, the
+others' zero, so the sum is every rank's own time): the driver finds slow workers in them
+(driver/stragglers.py) at no collective of its own.
+
 Either way the reduction carries one more column: whether this rank was asked to pause
 (for a resize), and whether it asks for a checkpoint (rank 0, when checkpoint.every_n_minutes
 has passed on its clock), both in one number (encode_flags). What a flush collects is the
@@ -20,11 +24,13 @@ at the same step boundary with no extra message.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from typing import Any, Callable
 
 import torch
 
+from ..contract import COMPUTE_KEY
 from .dist import all_reduce_sum
 
 Report = Callable[[list[dict[str, Any]]], None]
@@ -47,7 +53,12 @@ class Carrier:
 
     The loop sets `outgoing` (this rank's metrics, then its pause flag) before the step's
     last backward; the strategy's communication hook sends them with the gradients and
-    leaves their sums over ranks in `reduced`."""
+    leaves their sums over ranks in `reduced`.
+
+    Between the metrics and the flag, one column per rank for its compute time: `send`
+    leaves them zero, and the hook writes this rank's own just before the last bucket's
+    all-reduce (`stamp`), when every gradient is computed; so the time holds the step's
+    data, forward and backward, and none of the last all-reduce's wait for slower peers."""
 
     def __init__(self, device: torch.device, group: Any = None):
         self.outgoing: torch.Tensor | None = None
@@ -59,14 +70,33 @@ class Carrier:
         self.scale = 1.0 / group.size() if group is not None else 1.0  # hookless DDP's 1 / world size
         # The flags, each made once: no host-to-device copy per step on a GPU.
         self._flags: dict[float, torch.Tensor] = {}
+        self._times: dict[int, torch.Tensor] = {}  # zero time columns by world size, each made once
+        self._slot, self._started = 0, None
 
     def send(self, values: torch.Tensor, pause_requested: bool, save_requested: bool = False,
-             world_size: int = 1) -> None:
+             world_size: int = 1, rank: int = 0, started: float | None = None) -> None:
+        """`started`: the step's start (time.perf_counter), for this rank's compute time."""
         flag = encode_flags(pause_requested, save_requested, world_size)
         if flag not in self._flags:
             self._flags[flag] = torch.full((1,), flag, device=self.device)
-        self.outgoing = torch.cat([values, self._flags[flag]])
+        if world_size not in self._times:
+            self._times[world_size] = torch.zeros(world_size, device=self.device)
+        self.outgoing = torch.cat([values, self._times[world_size], self._flags[flag]])
+        self._slot = values.numel() + rank  # this rank's time column
+        self._started = started
         self.reduced = None
+
+    def stamp(self) -> None:
+        """Write this rank's compute time so far into its column of `outgoing` (the hook calls
+        it as the last bucket is ready). Earlier buckets' all-reduces run asynchronously
+        (the backward does not wait for them), so only the compute is in the time."""
+        if self._started is None or self.outgoing is None:
+            return
+        seconds = time.perf_counter() - self._started
+        if self.outgoing.device.type == "cpu":
+            self.outgoing.numpy()[self._slot] = seconds  # a plain store: a tensor's item assignment costs ~8 us
+        else:
+            self.outgoing[self._slot] = seconds
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum `tensor` over the group in place; the future of [tensor]."""
@@ -152,16 +182,22 @@ class MetricsWindow:
         """Report steps whose sums over ranks came with their gradients; return whether some
         rank asked to pause, and to save, in them."""
         means, pause, save = [], False, False
+        times = []
         for _, same, sums in window:  # sums: on the host already where the step checked its loss
-            m = [v / world_size for v in (sums if isinstance(sums, list) else sums.tolist())]
-            asked = decode_flags(m[-1], world_size)
+            sums = sums if isinstance(sums, list) else sums.tolist()
+            m = [v / world_size for v in sums[:-1 - world_size]]
+            asked = decode_flags(sums[-1] / world_size, world_size)
             pause, save = pause or asked[0], save or asked[1]
-            means.append(m[:-1] + (same.tolist() if same is not None else []))
-        self._report(keys, window, means)
+            means.append(m + (same.tolist() if same is not None else []))
+            times.append(sums[-1 - world_size:-1])  # each rank's own: the others sent zero
+        self._report(keys, window, means, times)
         return pause, save
 
-    def _report(self, keys: list[str], window: list, means: list[list[float]]) -> None:
+    def _report(self, keys: list[str], window: list, means: list[list[float]],
+                times: list[list[float]] | None = None) -> None:
         rows = [{**info, **dict(zip(keys, v))} for (info, _, _), v in zip(window, means)]
+        for row, t in zip(rows, times or ()):
+            row[COMPUTE_KEY] = [round(x, 6) for x in t]
         self.latest.update({k: v for k, v in rows[-1].items() if isinstance(v, float)})
         self.report(rows)
 
