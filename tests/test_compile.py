@@ -51,7 +51,7 @@ def test_compile_is_off_true_or_torch_compiles_options(tmp_path, value, expected
 
 
 @pytest.mark.parametrize("value, message", [
-    ("yes", "trainer.compile must be a mapping"),
+    ("yes", "trainer.compile='yes' has the wrong type or value; allowed: bool | mapping | null"),
     ({"mode": "fast"}, "trainer.compile.mode='fast'"),
     ({"backend": " "}, "trainer.compile.backend must name a torch.compile backend"),
     ({"fullgraf": True}, "unknown key 'trainer.compile.fullgraf'"),

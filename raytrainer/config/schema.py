@@ -33,8 +33,10 @@ def _check(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in arms:
             return None
         for arm in arms:
-            if dataclasses.is_dataclass(arm):  # a section: its own errors are the useful ones
-                return _check(value, arm, key)
+            if dataclasses.is_dataclass(arm):
+                if isinstance(value, dict) or len(arms) == 1:  # a section: its own errors are the useful ones
+                    return _check(value, arm, key)
+                continue
             try:
                 return _check(value, arm, key)
             except ConfigError:
