@@ -152,7 +152,7 @@ SCRAPED_RUN = textwrap.dedent("""
     while time.monotonic() < deadline:  # the driver's last values, exported within a report interval
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         lines = [l for l in text.splitlines() if l.startswith("ray_raytrainer_")]
-        if {"ray_raytrainer_step", "ray_raytrainer_loss"} <= {l.split("{")[0] for l in lines}:
+        if {"ray_raytrainer_step", "ray_raytrainer_loss", "ray_raytrainer_goodput"} <= {l.split("{")[0] for l in lines}:
             break
         time.sleep(0.5)
     print(json.dumps(lines))
@@ -171,7 +171,9 @@ def test_a_run_is_in_rays_prometheus_endpoint(tmp_path):
     lines = json.loads(out.stdout.strip().splitlines()[-1])
     series = {line.split("{")[0] for line in lines if 'run="scraped"' in line}
     assert {"ray_raytrainer_step", "ray_raytrainer_loss", "ray_raytrainer_samples_per_s",
-            "ray_raytrainer_world_size"} <= series, lines
+            "ray_raytrainer_world_size", "ray_raytrainer_goodput"} <= series, lines
+    goodput = next(line for line in lines if line.startswith("ray_raytrainer_goodput{"))
+    assert 0 < float(goodput.rsplit(" ", 1)[1]) <= 1  # the ledger's, published by the driver
     step = next(line for line in lines if line.startswith("ray_raytrainer_step{"))
     assert float(step.rsplit(" ", 1)[1]) == 4  # 128 samples / 32 a step
 

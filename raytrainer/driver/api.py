@@ -493,6 +493,20 @@ class _UploadLogs(Callback):
             _warn(str(exc).replace("the run trained to its end, but ", ""))
 
 
+# The events after which the run's goodput has moved enough to publish it again.
+GOODPUT_MOVES = frozenset({"group_formed", "recovered", "resized", "left_node", "slow_worker_replaced",
+                           "checkpoint_committed", "validated", "finished", "failed", "stopped"})
+
+
+def _goodput_series(sink: RayMetricsSink, events: EventLog, hub: MetricsHub) -> Any:
+    """A listener that publishes this attempt's goodput (its ledger so far, from what the
+    driver holds in memory) as Ray's raytrainer_goodput series, where Ray's metrics are on."""
+    def publish(record: dict[str, Any]) -> None:
+        if sink.on and record["event"] in GOODPUT_MOVES:
+            sink.gauge("goodput", ledger.ledger(events.events, hub.history).goodput)
+    return publish
+
+
 def _write_ledger(run_dir: Path) -> None:
     """goodput.json, failed and stopped runs included; a disk that is full only warns."""
     try:
@@ -521,11 +535,12 @@ def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None,
     events = EventLog(run_dir / "events.jsonl")
     bar = ProgressBar() if progress else None
     # Ray's metrics: on wherever the joined Ray exports them (raymetrics.py), else a no-op.
-    sinks = [JsonlWriter(run_dir / "metrics.jsonl")] + ([bar] if bar else []) + [RayMetricsSink()] + loggers
+    raymetrics = RayMetricsSink()
+    sinks = [JsonlWriter(run_dir / "metrics.jsonl")] + ([bar] if bar else []) + [raymetrics] + loggers
     hub = MetricsHub(sinks, RunInfo(run_dir, config.run.name, config.to_dict(),
                                     resumed=resume is not None or takeover is not None,
                                     states=SinkStates(run_dir)))
-    events.listeners += [hub.event, *listeners]
+    events.listeners += [hub.event, *listeners, _goodput_series(raymetrics, events, hub)]
     upload = None if storage.local else _UploadLogs(storage, run_dir, config.run.name)
     try:
         # The shared-storage check applies to a local run.storage; remote storage is
