@@ -158,3 +158,31 @@ def test_a_slow_rank_is_a_note_of_the_training_it_held_back_until_its_replacemen
     assert out.slowed_s == {"1": pytest.approx(11 * 0.5)}  # from step 1's row (100) to the move (111), half of it
     assert sum(out.buckets.values()) == pytest.approx(out.wall_s)  # training, slower: no bucket
     assert any("slowed by rank 1: 27.5%" in line for line in out.lines())
+
+
+def test_a_ledger_that_fails_warns_once_and_never_fails_the_run(tmp_path, monkeypatch):
+    """It runs on the way out of every run and inside the controller's event log: a bug or an
+    unreadable event there must not replace the run's outcome, nor stop its training."""
+    from raytrainer.driver import api
+    from raytrainer.driver import ledger as ledger_module
+
+    def broken(*args):
+        raise KeyError("step")
+
+    warned = []
+    monkeypatch.setattr(api, "_warn", warned.append)
+    monkeypatch.setattr(ledger_module, "write", broken)
+    monkeypatch.setattr(ledger_module, "ledger", broken)
+    api._write_ledger(tmp_path)
+    assert len(warned) == 1 and "could not be written" in warned[0] and "KeyError" in warned[0]
+
+    class Sink:
+        on, published = True, []
+
+        def gauge(self, name, value):
+            self.published.append(value)
+
+    publish = api._goodput_series(Sink(), type("Events", (), {"events": []})(), type("Hub", (), {"history": []})())
+    for kind in ("group_formed", "recovered", "finished"):
+        publish({"event": kind})
+    assert len(warned) == 2 and "goodput series stops" in warned[1] and Sink.published == []

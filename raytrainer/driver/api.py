@@ -500,19 +500,29 @@ GOODPUT_MOVES = frozenset({"group_formed", "recovered", "resized", "left_node", 
 
 def _goodput_series(sink: RayMetricsSink, events: EventLog, hub: MetricsHub) -> Any:
     """A listener that publishes this attempt's goodput (its ledger so far, from what the
-    driver holds in memory) as Ray's raytrainer_goodput series, where Ray's metrics are on."""
+    driver holds in memory) as Ray's raytrainer_goodput series, where Ray's metrics are on.
+    It runs inside the controller's event log: whatever goes wrong in it is a warning, once,
+    and the series stops, never the run."""
     def publish(record: dict[str, Any]) -> None:
-        if sink.on and record["event"] in GOODPUT_MOVES:
+        if not (sink.on and record["event"] in GOODPUT_MOVES) or failed:
+            return
+        try:
             sink.gauge("goodput", ledger.ledger(events.events, hub.history).goodput)
+        except Exception as exc:  # noqa: BLE001 - a figure for a dashboard, not the run
+            failed.append(exc)
+            _warn(f"the goodput series stops: its ledger failed ({type(exc).__name__}: {exc})")
+    failed: list[Exception] = []
     return publish
 
 
 def _write_ledger(run_dir: Path) -> None:
-    """goodput.json, failed and stopped runs included; a disk that is full only warns."""
+    """goodput.json, failed and stopped runs included. It runs on the way out of every run:
+    whatever goes wrong (a full disk, an event it cannot read) only warns, so the run's own
+    outcome, its error included, stands."""
     try:
         ledger.write(run_dir)
-    except OSError as exc:
-        _warn(f"the goodput ledger could not be written to {run_dir} ({exc})")
+    except Exception as exc:  # noqa: BLE001 - the run's outcome stands
+        _warn(f"the goodput ledger could not be written to {run_dir} ({type(exc).__name__}: {exc})")
 
 
 def _run(config: Config, storage: Storage, run_dir: Path, resume: Resume | None, *,
