@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,17 @@ def in_background(cfg):
     return thread, out
 
 
+@contextmanager
+def finishing(thread, slow):
+    """The run in `thread` is let finish on the way out (`slow` removed, joined), whether the
+    block passed or failed: a run left going holds the nodes the module's next tests need."""
+    try:
+        yield
+    finally:
+        slow.unlink(missing_ok=True)
+        join(thread, 120)
+
+
 def wait_for(predicate, timeout_s, what, thread=None):
     """Until predicate() is true (its value), `timeout_s` seconds of a quiet machine at most;
     `thread`: the run's, whose end fails the wait at once (a limit stretched on a slow day
@@ -134,35 +146,34 @@ def test_grows_when_a_node_joins_shrinks_at_once_when_it_goes_and_grows_back(clu
     cfg, slow, record = growable(tmp_path, "elastic")
     thread, out = in_background(cfg)
     run_dir = tmp_path / "elastic"
-    wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
+    with finishing(thread, slow):
+        wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
 
-    node = cluster.add_node(num_cpus=1)  # room for a third worker
-    grow = wait_for(lambda: resized(run_dir), 60, "the group to grow", thread)[0]
-    assert (grow["old_world_size"], grow["new_world_size"], grow["added"]) == (2, 3, 1)
-    wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers", thread)
-    cluster.remove_node(node)  # its worker goes with it, and no replacement can be placed
-    shrink = wait_for(lambda: resized(run_dir)[1:], 60, "the group to shrink", thread)[0]
-    # Not waited for (failure.recovery fast): the survivors went on at once, from memory.
-    assert (shrink["old_world_size"], shrink["new_world_size"], shrink["dropped"]) == (3, 2, [2])
-    assert shrink["cause"].startswith("failure")
+        node = cluster.add_node(num_cpus=1)  # room for a third worker
+        grow = wait_for(lambda: resized(run_dir), 60, "the group to grow", thread)[0]
+        assert (grow["old_world_size"], grow["new_world_size"], grow["added"]) == (2, 3, 1)
+        wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers", thread)
+        cluster.remove_node(node)  # its worker goes with it, and no replacement can be placed
+        shrink = wait_for(lambda: resized(run_dir)[1:], 60, "the group to shrink", thread)[0]
+        # Not waited for (failure.recovery fast): the survivors went on at once, from memory.
+        assert (shrink["old_world_size"], shrink["new_world_size"], shrink["dropped"]) == (3, 2, [2])
+        assert shrink["cause"].startswith("failure")
 
-    # Once Ray holds the node dead, the lost worker's slot is asked for anew, not left to Ray
-    # to reschedule: a placement group rescheduling with no room spins the GCS (it took a
-    # core, and the survivors, at Ray's nice 15, ran twentyfold slower).
-    wait_for(lambda: not any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()), 60,
-             "Ray to hold the node dead")
-    wait_for(lambda: not pgs_in("RESCHEDULING"), 30, "no placement group rescheduling", thread)
-    pgs, actors = len(pgs_in()), len(state.actors())
-    steps = len(worlds(run_dir))
-    wait_for(lambda: len(worlds(run_dir)) > steps + 20, 60, "more steps at 2 workers", thread)  # a few grow checks
-    assert not pgs_in("RESCHEDULING") and len(pgs_in()) == pgs and len(state.actors()) == actors
-    assert len(pgs_in("PENDING")) == 1  # the lost slot's new group, waiting for room
+        # Once Ray holds the node dead, the lost worker's slot is asked for anew, not left to Ray
+        # to reschedule: a placement group rescheduling with no room spins the GCS (it took a
+        # core, and the survivors, at Ray's nice 15, ran twentyfold slower).
+        wait_for(lambda: not any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()), 60,
+                 "Ray to hold the node dead")
+        wait_for(lambda: not pgs_in("RESCHEDULING"), 30, "no placement group rescheduling", thread)
+        pgs, actors = len(pgs_in()), len(state.actors())
+        steps = len(worlds(run_dir))
+        wait_for(lambda: len(worlds(run_dir)) > steps + 20, 60, "more steps at 2 workers", thread)  # a few grow checks
+        assert not pgs_in("RESCHEDULING") and len(pgs_in()) == pgs and len(state.actors()) == actors
+        assert len(pgs_in("PENDING")) == 1  # the lost slot's new group, waiting for room
 
-    cluster.add_node(num_cpus=1)  # room again: the replacement starts there and joins
-    back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back", thread)[0]
-    assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
-    slow.unlink()  # let it finish
-    join(thread, 120)
+        cluster.add_node(num_cpus=1)  # room again: the replacement starts there and joins
+        back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back", thread)[0]
+        assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
     assert "error" not in out, out.get("error")
 
     events = read_events(run_dir)
@@ -289,26 +300,25 @@ def test_a_fixed_size_run_short_of_room_trains_on_and_grows_back_to_its_size(clu
     cfg["scaling"] = {"num_workers": 3, "placement_timeout_s": 3, "replace_timeout_s": 2}
     thread, out = in_background(cfg)
     run_dir = tmp_path / "fixed"
-    wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
-    waits = lambda: [e for e in read_events(run_dir) if e["event"] == "waiting_for_capacity"]  # noqa: E731
-    first = wait_for(waits, 60, "the run to say it waits for room", thread)[0]
-    assert (first["world_size"], first["size"], first["missing"], first["min_workers"]) == (2, 3, 1, 1)
+    with finishing(thread, slow):
+        wait_for(lambda: worlds(run_dir), 60, "the first steps", thread)
+        waits = lambda: [e for e in read_events(run_dir) if e["event"] == "waiting_for_capacity"]  # noqa: E731
+        first = wait_for(waits, 60, "the run to say it waits for room", thread)[0]
+        assert (first["world_size"], first["size"], first["missing"], first["min_workers"]) == (2, 3, 1, 1)
 
-    node = cluster.add_node(num_cpus=1)
-    grow = wait_for(lambda: resized(run_dir), 60, "the group to grow", thread)[0]
-    assert (grow["old_world_size"], grow["new_world_size"]) == (2, 3) and grow["capacity_waited_s"] > 0
-    wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers", thread)
-    cluster.remove_node(node)
-    wait_for(lambda: len(waits()) == 2, 60, "the run to wait for room again", thread)
-    steps = len(worlds(run_dir))
-    wait_for(lambda: len(worlds(run_dir)) > steps + 30, 60, "more steps at 2 workers", thread)
-    assert thread.is_alive() and worlds(run_dir)[-1] == 2  # well past placement_timeout_s
+        node = cluster.add_node(num_cpus=1)
+        grow = wait_for(lambda: resized(run_dir), 60, "the group to grow", thread)[0]
+        assert (grow["old_world_size"], grow["new_world_size"]) == (2, 3) and grow["capacity_waited_s"] > 0
+        wait_for(lambda: 3 in worlds(run_dir), 60, "steps at 3 workers", thread)
+        cluster.remove_node(node)
+        wait_for(lambda: len(waits()) == 2, 60, "the run to wait for room again", thread)
+        steps = len(worlds(run_dir))
+        wait_for(lambda: len(worlds(run_dir)) > steps + 30, 60, "more steps at 2 workers", thread)
+        assert thread.is_alive() and worlds(run_dir)[-1] == 2  # well past placement_timeout_s
 
-    cluster.add_node(num_cpus=1)
-    back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back", thread)[0]
-    assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
-    slow.unlink()
-    join(thread, 120)
+        cluster.add_node(num_cpus=1)
+        back = wait_for(lambda: resized(run_dir)[2:], 60, "the group to grow back", thread)[0]
+        assert (back["old_world_size"], back["new_world_size"], back["cause"]) == (2, 3, "lost workers replaced")
     assert "error" not in out, out.get("error")
     events = read_events(run_dir)
     assert events[0]["num_workers"] == 3 and events[0]["min_workers"] == 1

@@ -68,10 +68,14 @@ class Slots:
         size, fewest = scaling.size, scaling.min_workers
         self._check_fits(size)
         deadline = time.monotonic() + scaling.placement_timeout_s
+        extra_within = self.EXTRA_AT_START_S
         if self.cluster_can_grow or scaling.placement == "STRICT_SPREAD":
             nodes = self._gang_nodes(size, deadline, last=size == fewest)
             if nodes is None:  # fewer, placed together the same way; the rest as they come
                 nodes = self._gang_nodes(fewest, time.monotonic() + self.SMALLER_WITHIN_S, last=True)
+                # The room there is for more than min_workers is the run's own: it starts
+                # with it rather than growing into it a moment later.
+                extra_within = self.SMALLER_WITHIN_S
         else:
             # One node (a Ray started for this driver, no autoscaler): the gang would place
             # every slot there, and a group asked for as it is removed waits out Ray's retry
@@ -86,7 +90,7 @@ class Slots:
         self.pgs += extras
         if extras:
             refs = [pg.ready() for pg in extras]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.EXTRA_AT_START_S)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=extra_within)
             placed += [pg for pg, ref in zip(extras, refs) if ref in ready]
         return [(pg, 0) for pg in placed]
 
