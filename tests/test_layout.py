@@ -21,12 +21,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every raytrainer module `path` imports, at the top or inside a function."""
+def _imports(path: Path, source: str | None = None) -> set[str]:
+    """Every raytrainer module `path` imports, at the top, inside a function or under
+    TYPE_CHECKING: `from . import loop` is loop, `from .loop import Loop` is loop. Its own
+    packages are left out (Python imports a module's packages before the module)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -35,9 +37,17 @@ def _imports(path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            out.add(target)
-            out |= {f"{target}.{a.name}" for a in node.names}  # `from . import loop`
-    return {m for m in out if m == "raytrainer" or m.startswith("raytrainer.")}
+            modules = {f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}")}
+            out |= modules
+            if len(modules) < len(node.names):  # names from `target` itself
+                out.add(target)
+    return {m for m in out if (m == "raytrainer" or m.startswith("raytrainer."))
+            and m != name and not name.startswith(m + ".")}
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def _side(module: str) -> str:
@@ -209,6 +219,126 @@ def test_the_private_name_check_finds_what_it_must():
                      "getattr(it, '_shutdown_workers')", "('torch.serialization', '_get_layout')"], found
 
 
+# ---------------------------------------------------------------------------- rooms and their doors
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    """TYPE_CHECKING imports and imports inside functions included: a cycle hidden from the
+    interpreter is still two modules that cannot be read, changed or tested apart."""
+    cycles = _cycles(_graph())
+    assert cycles == [], "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_what_it_must():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    code = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .loop import Loop\n"
+            "def f():\n    from . import step\n    from ..checkpoint import Checkpoints\n")
+    assert _imports(PACKAGE / "worker" / "probe.py", code) >= {"raytrainer.checkpoint"}
+
+
+# Reaching another object's private members, or importing another module's private name,
+# is allowed only for the gateways themselves (`from . import _internals`) and for names
+# the standard library documents as public.
+GATEWAYS = {"_internals"}
+
+
+def _reach_ins(source: str, where: str) -> list[str]:
+    """`x._name` where x is not self, cls or super(); `from .m import _name`;
+    `getattr(x, "_name")` where x is not self."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        hit = None
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            own = (isinstance(base, ast.Name) and base.id in ("self", "cls")) or (
+                isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super")
+            if not own and ast.unparse(node) not in STDLIB:
+                hit = ast.unparse(node)
+        elif isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names if _private(a.name) and a.name not in GATEWAYS]
+            if names:
+                hit = f"from {'.' * node.level}{node.module or ''} import {', '.join(names)}"
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value)
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            hit = ast.unparse(node)
+        if hit:
+            found.append(f"{where}:{node.lineno}: {hit}")
+    return sorted(found, key=lambda use: int(use.split(":")[1]))
+
+
+def test_no_module_reaches_into_another_objects_private_members():
+    """A satellite that needs its owner's state gets a narrow collaborator or arguments; the
+    private torch and Ray names the project needs live in the two _internals modules."""
+    found = [use for p in sorted(PACKAGE.rglob("*.py")) if _module_name(p) not in INTERNALS
+             for use in _reach_ins(p.read_text(), str(p.relative_to(PACKAGE.parent)))]
+    assert found == [], "reach-ins (make the member public, or hand the satellite what it needs):\n" + \
+        "\n".join(found)
+
+
+def test_the_reach_in_check_finds_what_it_must():
+    code = ("from . import _internals\nfrom .schema import _build, key\nself._mine\ncls._mine\n"
+            "super()._mine\nloop._phase\nself.loop._row\ngetattr(worker, '_outbox')\nos._exit(1)\n")
+    found = [use.split(": ", 1)[1] for use in _reach_ins(code, "probe.py")]
+    assert found == ["from .schema import _build", "loop._phase", "self.loop._row",
+                     "getattr(worker, '_outbox')"], found
+
+
+MAX_MODULE_LINES = 650
+MAX_CLASS_LINES = 400
+
+
+def test_no_module_or_class_outgrows_one_concern():
+    """Limits that a room of one concern stays well inside; a split to meet them goes along
+    the class's seams (docs/contributing.md)."""
+    modules, classes = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        modules.append((len(text.splitlines()), _module_name(path)))
+        classes += [(n.end_lineno - n.lineno + 1, f"{_module_name(path)}.{n.name}")
+                    for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]
+    assert [m for m in modules if m[0] > MAX_MODULE_LINES] == []
+    assert [c for c in classes if c[0] > MAX_CLASS_LINES] == []
+
+
 # ---------------------------------------------------------------------------- the docs say what the code does
 
 def test_the_readme_lists_every_event_the_code_writes():
@@ -230,13 +360,34 @@ def test_the_readme_task_runs_its_model_once_a_step_and_train_keeps_the_local_ra
     assert "left up after the run" in doc and "stops it after" not in doc.replace("stopped after it", "")
 
 
-def test_the_readme_is_a_guide_of_at_most_450_lines_with_no_days_timings():
-    """Measurements live in docs/results/ (dated) and docs/benchmarks.md (current), linked;
-    the README keeps one current table, whose caption names its day and machine."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    assert len(readme.splitlines()) <= 450
-    dated = [line for line in readme.splitlines() if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
-    assert len(dated) <= 1, dated
+def test_the_readme_is_a_guide_of_at_most_450_lines():
+    assert len((PACKAGE.parent / "README.md").read_text().splitlines()) <= 450
+
+
+def dated_lines(path: Path) -> list[str]:
+    """The lines of a Markdown file that name a day, links to a dated results file aside."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        bare = re.sub(r"\[[^\]]*\]\([^)]*results/[^)]*\)", "", line)
+        if re.search(r"\b20\d\d-\d\d-\d\d\b", bare):
+            out.append(f"{path.name}:{n}: {line}")
+    return out
+
+
+def test_the_guides_name_no_day_a_dated_measurement_lives_in_docs_results():
+    """A figure in a guide is the current one, linked to its run in docs/results/ (the date
+    in the file's name), so a guide does not grow into a lab notebook."""
+    root = PACKAGE.parent
+    paths = [root / "README.md", root / "cluster" / "README.md"] + sorted(
+        p for p in (root / "docs").rglob("*.md") if "results" not in p.relative_to(root / "docs").parts)
+    found = [line for p in paths for line in dated_lines(p)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_dated_line_check_finds_what_it_must(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("measured on 2026-11-24 here\n[runs](results/2026-11-24-bench.md)\nno date\n")
+    assert [line.split(":", 2)[1] for line in dated_lines(page)] == ["1"]
 
 
 # ---------------------------------------------------------------------------- the docs' links
