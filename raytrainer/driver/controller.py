@@ -59,7 +59,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
 from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
 from ..errors import CheckpointCorrupt, ConfigError, RaytrainerError, Stopped, WorkerError, warn
@@ -67,7 +66,7 @@ from .metrics import EventLog, MetricsHub
 from .drainwatch import DrainWatch
 from .stragglers import StragglerWatch
 from .policy import FailurePolicy, poll_wait
-from .recorder import Recorder
+from .recorder import Recorder, Records
 from .recovery import Recovery
 from .resizing import Resizing
 from .watchdog import Watchdog
@@ -124,18 +123,6 @@ class ControllerSettings:
                    failure=config.failure,
                    replace_timeout_s=scaling.replace_timeout_s, placement_timeout_s=scaling.placement_timeout_s,
                    per_worker_batch=config.trainer.batch_policy == "per_worker" or config.task.is_loop)
-
-
-@dataclass(kw_only=True)
-class Records:
-    """Where the controller writes what happens: metric rows (the hub: metrics.jsonl, the
-    loggers), lifecycle events, the progress line, and driver callbacks with their context."""
-
-    hub: MetricsHub
-    events: EventLog
-    progress: Any = None
-    callbacks: Callbacks = field(default_factory=lambda: Callbacks([]))
-    context: RunContext = field(default_factory=lambda: RunContext(run_dir=None, config=None))
 
 
 class Controller:
