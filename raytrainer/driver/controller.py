@@ -169,7 +169,10 @@ class Controller:
         self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, self._node_ip)
         self.drains = DrainWatch(group, self.events, settings.drain_check_s, settings.replace_timeout_s,
                                  self._node_ip)
-        self.resizing = Resizing(group, self.events, settings)
+        self.resizing = Resizing(group, self.events, min_workers=self.min_workers, size=self.size,
+                                 max_workers=self.max_workers, check_s=settings.grow_check_s,
+                                 patience_s=settings.replace_timeout_s,
+                                 placement_timeout_s=settings.placement_timeout_s)
         self.stragglers = StragglerWatch(self.events, self.failure.stragglers, self.failure.straggler_margin,
                                          self.failure.straggler_window, self._node_ip)
         self.recovery = Recovery(self)
