@@ -180,7 +180,7 @@ class RayWorkerGroup:
         if keep and not self.slots.cluster_can_grow and actors.keepable(self.config, self.bundle):
             placed = len(self.roster.nodes)
             kept.keep([(a, n.node_id) for a, n in zip(self.roster.actors, self.roster.nodes)]
-                      + self.spares.let_go_up())
+                      + self.spares.let_go_up(), actors.alive_nodes)
             self.roster.actors = self.roster.actors[placed:]
         for actor in self.roster.actors:
             ray.kill(actor, no_restart=True)
