@@ -475,7 +475,7 @@ def test_a_worker_silent_once_its_peer_stopped_is_lost_without_waiting_for_ray_t
                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed],
                         answers=[False], until=lambda g: ("kill", 1, (0,)) in g.calls, frozen=frozen)
     controller, events = recovering(tmp_path, group, max_failures=1)
-    controller.SILENT_AFTER_S = 0  # how long Ray gets to say it first (with its cause)
+    controller.recovery.SILENT_AFTER_S = 0  # how long Ray gets to say it first (with its cause)
     assert controller.run() == WEIGHTS
     events.close()
     assert ("kill", 1, (0,)) in group.calls and ("reform", (1,)) in group.calls and group.asks == 2
@@ -491,7 +491,7 @@ def test_a_worker_slow_to_answer_once_is_not_taken_for_dead(tmp_path):
                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed],
                         answers=[False, True], until=lambda g: g.asks >= 3 or any(c[0] == "kill" for c in g.calls))
     controller, events = recovering(tmp_path, group, max_failures=1)
-    controller.SILENT_AFTER_S = 0
+    controller.recovery.SILENT_AFTER_S = 0
     assert controller.run() == WEIGHTS
     events.close()
     assert not [c for c in group.calls if c[0] == "kill"]

@@ -139,7 +139,7 @@ def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_
     assert (left["node_id"], left["ranks"], left["moved"], left["dropped"], left["steps_lost"]) == \
         ("n2", [1], [1], [], 0)
     assert left["deadline"] == group.deadline and 0 < left["seconds_to_deadline"] <= 60
-    assert controller.world == 2 and controller._nodes[1].node_id == "n3"
+    assert controller.world == 2 and controller.formation.nodes[1].node_id == "n3"
 
 
 def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
