@@ -60,8 +60,7 @@ class RayWorkerGroup:
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
         self.pace = Pace()  # the steps of the group launched last: when spares start (spares.py)
         self._total_steps: int | None = None
-        # Replacements started by a re-form that failed before they were up (_starting_ranks).
-        self._starting: list[Any] = []
+        self.unwaited = reforming.Unwaited()  # replacements a failed re-form started, not waited for
 
     @property
     def actors(self) -> list[Any]:
@@ -189,7 +188,7 @@ class RayWorkerGroup:
         self.slots.shutdown()  # its newcomers, and every placement group
         self.copies.remove_all()
         self.forming.clear()
-        self._starting = []
+        self.unwaited.clear()
         self.roster.actors, self.roster.slots = [], []
         self._runs, self._pending, self._finished = [], [], {}
 
@@ -274,11 +273,3 @@ class RayWorkerGroup:
         """Sharded state: re-form the process group from the newest peer snapshots
         (reforming.from_peers)."""
         return reforming.from_peers(self, dead, regrow, grow, leave)
-
-    def _starting_ranks(self, dead: list[int]) -> list[int]:
-        """The ranks (not in `dead`) whose worker is a replacement that an earlier attempt
-        of this recovery started and that was not waited for yet (the attempt failed first):
-        a process still starting, importing torch, answers nothing and holds no state; it is
-        waited for like the new ones, not asked and taken for hung."""
-        return [r for r, actor in enumerate(self.roster.actors)
-                if r not in dead and any(actor is a for a in self._starting)]
