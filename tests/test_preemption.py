@@ -99,8 +99,9 @@ class DrainedGroup:
     def pause(self):
         self.calls.append(("pause",))
 
-    def reform(self, dead, leave=()):
-        self.calls.append(("reform", tuple(dead), tuple(leave)))
+    def reform(self, plan):
+        assert plan.state_from == "survivor" and not plan.regrow
+        self.calls.append(("reform", plan.dead, plan.leave))
         return Reformed(step=2, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
 
     def shutdown(self, keep=False):
@@ -147,8 +148,8 @@ def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
     done = RunEnd("finished", 4, stop_reason="completed", model_uri="w")
 
     class NoRoom(DrainedGroup):
-        def reform(self, dead, leave=()):
-            self.calls.append(("reform", tuple(dead), tuple(leave)))
+        def reform(self, plan):
+            self.calls.append(("reform", plan.dead, plan.leave))
             return Reformed(step=2, nodes=[NODES[0]], source=0, dropped=[1])
 
         def joinable(self):

@@ -13,9 +13,10 @@ policy what to do when workers fail or hang, and always shuts the group down,
 whatever happened. Its larger parts are modules of their own: formation.py (the group as
 it stands, Formation, which the controller and a recovery share, and the ways it is formed
 and re-formed, Former), recovery.py (a failure: every worker stopped, the group re-formed
-from what survives, attempt after attempt), resizing.py (when an elastic run grows, how long a run may stay below min_workers, the
-events of a size change), recorder.py (the workers' rows and events into the records),
-and two watches, watchdog.py (hangs) and drainwatch.py (draining nodes).
+from what survives, attempt after attempt), resizing.py (when an elastic run grows, how
+long a run may stay below min_workers, the events of a size change), recorder.py (the
+workers' rows and events into the records), and two watches, watchdog.py (hangs) and
+drainwatch.py (draining nodes).
 
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
@@ -61,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import Config, FailureConfig
-from ..contract import Failure, Poll, ReformFailed, Resume, WorkerGroup
+from ..contract import Failure, Poll, ReformFailed, ReformPlan, Resume, WorkerGroup
 from ..errors import RaytrainerError, Stopped, WorkerError, warn
 from .drainwatch import DrainWatch
 from .formation import Formation, Former
@@ -356,9 +357,9 @@ class Controller:
         old_world, leaving, old_nodes = formation.size, formation.leaving, formation.nodes
         try:
             if formation.replicated:
-                reformed = self.former.reform([], leave=sorted(leaving))
+                reformed = self.former.reform(ReformPlan(leave=sorted(leaving)))
             elif self.failure.snapshot_every_n_steps:  # re-sharded from the snapshots kept as they paused
-                reformed = self.former.reform([], leave=sorted(leaving), peers=True, grow=True)
+                reformed = self.former.reform(ReformPlan(leave=sorted(leaving), state_from="peers", grow=True))
             else:
                 reformed = self.former.restart(leave=sorted(leaving))
         except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other

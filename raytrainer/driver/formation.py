@@ -6,7 +6,7 @@ run trained, and the pause under way (who paused, since when it was asked, who l
 
 `Former` forms the group and re-forms it: from scratch (`form`: from a checkpoint, or an
 older one where that one is corrupt), over the workers a lost driver left (`take_over`),
-from what survives (`reform`), or from the checkpoint the
+from what survives (`reform`, as a contract.ReformPlan says), or from the checkpoint the
 workers wrote (`restart`, `from_storage`); each time the watches that count from a
 forming are told (resizing, stragglers, watchdog), and the group is launched.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..callbacks import RunContext
-from ..contract import Formed, Node, Reformed, Resume, RunEnd, WorkerGroup
+from ..contract import Formed, Node, ReformPlan, Reformed, Resume, RunEnd, WorkerGroup
 from ..errors import CheckpointCorrupt, ConfigError, warn
 from .metrics import EventLog
 from .recorder import Recorder
@@ -110,7 +110,7 @@ class Former:
         f.step = self.ctx.step = step
         if self.progress is not None:
             self.progress.total_steps = formed.total_steps
-        self.reform([])
+        self.reform(ReformPlan())  # no one lost: from their memory
         self.events.log("group_formed", step=f.step, world_size=f.size, nodes=[n.ip for n in f.nodes],
                         pids=[n.pid for n in f.nodes], seconds=round(time.monotonic() - t0, 3),
                         total_steps=formed.total_steps, steps_per_epoch=formed.steps_per_epoch, taken_over=True)
@@ -131,17 +131,9 @@ class Former:
                                       "run.resume to another checkpoint, or choose another run.name "
                                       "(e.g. --set run.name=NEW)") from None
 
-    def reform(self, dead: list[int], leave: list[int] = (), peers: bool = False, regrow: list[int] = (),
-               grow: bool = False) -> Reformed:
-        """Re-form the group, and launch it."""
-        if peers and (regrow or grow or leave):  # sharded, to another world size: re-sharded
-            reformed = self.group.reform_from_peers(dead, regrow=regrow, grow=grow, leave=leave)
-        elif peers:
-            reformed = self.group.reform_from_peers(dead)
-        elif regrow:
-            reformed = self.group.reform(dead, leave, regrow=regrow)
-        else:
-            reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
+    def reform(self, plan: ReformPlan) -> Reformed:
+        """Re-form the group as `plan` says (contract.ReformPlan), and launch it."""
+        reformed = self.group.reform(plan)
         self.formation.regrouped(reformed.nodes)
         self.stragglers.formed()
         self.group.launch()

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from ..config import FailureConfig
-from ..contract import Failure, Poll, ReformFailed, Reformed, RunEnd, WorkerGroup
+from ..contract import Failure, Poll, ReformFailed, ReformPlan, Reformed, RunEnd, WorkerGroup
 from ..errors import NoSurvivors, RaytrainerError
 from .formation import Formation, Former
 from .metrics import EventLog
@@ -119,22 +120,28 @@ class Recovery:
             raise NoSurvivors("the state is sharded, so the lost workers' shards are on no survivor, "
                               "and failure.snapshot_every_n_steps is 0")
         up = self.group.spares_ready(lost)  # rank -> whether its spare is built
-        plan = replacing(lost, spares_ready=[r for r, built in up.items() if built], spares_up=list(up),
-                         world=formation.size,
-                         replicated=formation.replicated, exact=self.failure.recovery == "exact",
-                         global_batch_fixed=not self.per_worker_batch, elastic=self.elastic)
+        how_replaced = replacing(lost, spares_ready=[r for r, built in up.items() if built], spares_up=list(up),
+                                 world=formation.size,
+                                 replicated=formation.replicated, exact=self.failure.recovery == "exact",
+                                 global_batch_fixed=not self.per_worker_batch, elastic=self.elastic)
+        reformed = self.former.reform(self.plan(lost, how_replaced.regrow))
         if formation.replicated:
-            reformed = self.former.reform(lost, regrow=list(plan.regrow))
             how = {"source_rank": reformed.source, "state_from": reformed.state_from,
-                   "resynced": reformed.resynced, "spares": list(plan.spares),
-                   "dropped": reformed.dropped, "replacing": plan.reason, "secured": reformed.secured}
+                   "resynced": reformed.resynced, "spares": list(how_replaced.spares),
+                   "dropped": reformed.dropped, "replacing": how_replaced.reason, "secured": reformed.secured}
         else:
-            reformed = self.former.reform(lost, peers=True, regrow=list(plan.regrow))
             how = {"state_from": "peers", "snapshot_step": reformed.snapshot_step,
                    "peers": {str(rank): holder for rank, holder in reformed.peers.items()},
-                   "spares": list(plan.spares), "dropped": reformed.dropped, "replacing": plan.reason}
+                   "spares": list(how_replaced.spares), "dropped": reformed.dropped,
+                   "replacing": how_replaced.reason}
         how.update(replaced=reformed.replaced, pids=[n.pid for n in reformed.nodes])
         return reformed, how
+
+    def plan(self, lost: list[int], regrow: Iterable[int]) -> ReformPlan:
+        """The re-form of an attempt: without the `lost` ranks, those in `regrow` left behind
+        to join later (policy.replacing), from the survivors' memory (replicated state) or
+        the peer snapshots (sharded)."""
+        return ReformPlan(dead=lost, regrow=regrow, state_from="survivor" if self.formation.replicated else "peers")
 
     def _from_storage(self, why: NoSurvivors) -> dict[str, Any]:
         """No survivor serves: the group starts again from the newest checkpoint (from step 0

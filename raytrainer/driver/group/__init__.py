@@ -27,7 +27,7 @@ import ray
 
 from ...checkpoint import CheckpointRef
 from ...config import Config
-from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
+from ...contract import Failure, Formed, Node, Poll, ReformPlan, Reformed, RunEnd, Status
 from ..storage_check import check_shared_storage
 from . import actors, kept, orphans, reforming
 from .actors import Roster, control, gather, start_worker, worker_bundle
@@ -263,13 +263,11 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ re-forms (reforming.py)
 
-    def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
-        """Re-form the process group after a failure or a pause, from a survivor's state
-        (reforming.from_survivor)."""
-        return reforming.from_survivor(self, dead, leave, regrow)
-
-    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
-                          leave: list[int] = ()) -> Reformed:
-        """Sharded state: re-form the process group from the newest peer snapshots
+    def reform(self, plan: ReformPlan) -> Reformed:
+        """Re-form the process group after a failure or a pause, as `plan` says: from a
+        survivor's state (reforming.from_survivor) or from the newest peer snapshots
         (reforming.from_peers)."""
-        return reforming.from_peers(self, dead, regrow, grow, leave)
+        dead, leave, regrow = list(plan.dead), list(plan.leave), list(plan.regrow)
+        if plan.state_from == "peers":
+            return reforming.from_peers(self, dead, regrow, plan.grow, leave)
+        return reforming.from_survivor(self, dead, leave, regrow)
