@@ -31,23 +31,23 @@ def leave(**kw):
 
 
 def test_leave_as_soon_as_every_leaver_has_a_replacement():
-    assert leave(ready=1)[0]
-    assert leave(leaving=2, ready=2, seconds_left=None)[0]
-    assert not leave(leaving=0)[0]
+    assert leave(ready=1).now
+    assert leave(leaving=2, ready=2, seconds_left=None).now
+    assert not leave(leaving=0).now
 
 
 def test_wait_for_replacements_up_to_replace_timeout_then_shrink_if_min_workers_hold():
-    assert not leave(min_workers=2, waited_s=5.0)[0]  # replacements may still come
-    go, why = leave(min_workers=2, waited_s=10.0)
-    assert go and "replace_timeout_s=10" in why
-    go, why = leave(min_workers=2, seconds_left=LEAVE_MARGIN_S + 0.5)  # not before the deadline allows
-    assert go and "deadline" in why
-    assert leave(min_workers=2, seconds_left=-5.0)[0]  # past its deadline, the node still runs: go now
+    assert not leave(min_workers=2, waited_s=5.0).now  # replacements may still come
+    decision = leave(min_workers=2, waited_s=10.0)
+    assert decision.now and "replace_timeout_s=10" in decision.reason
+    decision = leave(min_workers=2, seconds_left=LEAVE_MARGIN_S + 0.5)  # not before the deadline allows
+    assert decision.now and "deadline" in decision.reason
+    assert leave(min_workers=2, seconds_left=-5.0).now  # past its deadline, the node still runs: go now
 
 
 def test_below_min_workers_training_goes_on_until_the_node_is_gone():
-    go, why = leave(min_workers=3, waited_s=100.0, seconds_left=1.0)
-    assert not go and "min_workers=3" in why
+    decision = leave(min_workers=3, waited_s=100.0, seconds_left=1.0)
+    assert not decision.now and "min_workers=3" in decision.reason
 
 
 def test_the_state_comes_from_a_worker_that_stays_among_equals():

@@ -285,10 +285,10 @@ def _newest_snapshot(group: RayWorkerGroup, world: int, lost: list[int],
     (policy.choose_snapshot), and what the `others` hold; NoSurvivors where none serves."""
     held = group.forming.answers(others, "snapshots_held")
     secured = {rank: step for rank, (step, _) in group.forming.copies.items()}
-    step, why = choose_snapshot(world, lost, held, secured)
-    if step is None:
-        raise NoSurvivors(f"no peer snapshot serves: {why}")
-    return step, held
+    choice = choose_snapshot(world, lost, held, secured)
+    if choice.step is None:
+        raise NoSurvivors(f"no peer snapshot serves: {choice.why}")
+    return choice.step, held
 
 
 def _replace(group: RayWorkerGroup, dead: list[int], regrow: list[int] = ()) -> dict[int, Any]:
