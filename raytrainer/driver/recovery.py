@@ -17,8 +17,8 @@ workers are silent or blocked the watchdog's (watchdog.py).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Callable
 
 from ..config import FailureConfig
