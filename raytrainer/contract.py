@@ -204,6 +204,37 @@ class Reformed:
         return len(self.nodes)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReformPlan:
+    """How the group is to re-form (`WorkerGroup.reform`), after a failure or a pause; the
+    controller builds it, the group carries it out. Ranks as the group numbers them now."""
+
+    dead: tuple[int, ...] = ()
+    """Ranks gone: each gets a ready spare, else a new worker, waited for (unless in `regrow`)."""
+    leave: tuple[int, ...] = ()
+    """Ranks alive on a draining node (or a slow worker moved): each gives way to the
+    replacement started for it elsewhere where that is up, and is dropped otherwise."""
+    regrow: tuple[int, ...] = ()
+    """Of `dead`, those dropped at once instead of waited for: their replacements start once
+    the group has re-formed, and join at a later re-form (`joinable`; policy.replacing)."""
+    state_from: Literal["survivor", "peers"] = "survivor"
+    """Where the state the group goes on from is: the survivor furthest ahead gives its
+    state (replicated state), or every rank goes back to the newest peer snapshot left of
+    it (sharded state; NoSurvivors where none serves), re-sharded onto the new group where
+    its world size changes."""
+    grow: bool = False
+    """From peers: take in the workers ready to join too (re-sharding the snapshots onto
+    them). From a survivor, the workers ready to join always are (they take the state where
+    it was secured for them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dead", "leave", "regrow"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.grow and self.state_from != "peers":
+            raise ValueError("ReformPlan.grow is for a re-form from peers: from a survivor, the workers "
+                             "ready to join always join")
+
+
 class ReformFailed(Exception):
     """A re-form that failed part-way (a worker died, hung or raised while the group
     formed). The group is left with every live worker idle; `failures` are the causes,
@@ -231,7 +262,7 @@ class WorkerGroup(Protocol):
     def adopt(self, takeover: Any) -> tuple[Formed, int]:
         """Take over the workers a lost driver of the run left (the group's own value, found
         before the controller starts): what a setup returns, and the step they hold; the
-        group is then re-formed from their memory (`reform` with no one dead)."""
+        group is then re-formed from their memory (`reform` of an empty ReformPlan)."""
         ...
     def launch(self) -> None: ...
     def poll(self, timeout: float) -> Poll: ...
@@ -248,19 +279,10 @@ class WorkerGroup(Protocol):
         the node of the rank's slot, each spare for one rank), each with whether its spare
         has built the training state ahead too."""
         ...
-    def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
-        """Re-form the group without the `dead` ranks and the `leave` ranks (alive, on a
-        draining node): a dead rank gets a ready spare, else a new worker, waited for;
-        those in `regrow` are dropped at once instead, their replacements started once the
-        group has re-formed, to join at a later `reform` (`joinable`)."""
-        ...
-    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
-                          leave: list[int] = ()) -> Reformed:
-        """Sharded state: replace the `dead` ranks and go back, at the same world size, to
-        the newest peer snapshot every worker has (NoSurvivors when there is none). Those in
-        `regrow` are dropped at once instead (their replacements join later, as `reform`'s),
-        and with `grow` the workers ready to join are added: the state is then re-sharded
-        from the snapshots onto the ranks of the new group."""
+    def reform(self, plan: ReformPlan) -> Reformed:
+        """Re-form the group as `plan` says (every worker stopped): NoSurvivors where no
+        state to go on from is left (a checkpoint is the way back then), ReformFailed where
+        a worker is lost meanwhile (call again with its `dead`)."""
         ...
     def joinable(self) -> int:
         """Start a worker in every free slot the cluster has placed; return how many
@@ -277,7 +299,7 @@ class WorkerGroup(Protocol):
     def replacements(self, ranks: list[int]) -> list[int]:
         """Start a worker on another node for each of `ranks` (once; those asked before
         and not asked now are given up); return the ranks whose replacement is up, ready
-        for `reform(..., leave=ranks)`."""
+        for a `reform` with them in its plan's `leave`."""
         ...
     def pause(self) -> None: ...
     def save_paused(self) -> Poll:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from raytrainer.config import FailureConfig
-from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, RunEnd
+from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, ReformPlan, Reformed, RunEnd
 from raytrainer.driver.controller import Controller, ControllerSettings, Records, State
 from raytrainer.errors import ConfigError, WorkerError
 from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
@@ -179,8 +179,9 @@ class GrowingGroup(FakeGroup):
     def pause(self):
         self.calls.append(("pause",))
 
-    def reform(self, dead):
-        self.calls.append(("reform", tuple(dead)))
+    def reform(self, plan):
+        assert plan == ReformPlan()  # a grow: no one lost or leaving, from the survivors' memory
+        self.calls.append(("reform", plan.dead))
         return Reformed(step=2, nodes=NODES + [Node("10.0.0.3")], source=0, added=1)
 
 
@@ -285,6 +286,7 @@ class FailingGroup(FakeGroup):
     def __init__(self, polls, reforms, restore_setup_fails=()):
         super().__init__(polls)
         self.reforms = list(reforms)
+        self.plans = []  # each ReformPlan asked for
         self.setup_fails = list(restore_setup_fails)
 
     def setup(self, resume=None):
@@ -308,10 +310,16 @@ class FailingGroup(FakeGroup):
     def spares_ready(self, ranks):
         return {r: True for r in ranks if r in self.spares}
 
-    def reform(self, dead, leave=(), regrow=()):
-        if regrow:
-            self.calls.append(("regrow", tuple(regrow)))
-        return self._scripted("reform", dead)
+    def reform(self, plan):
+        self.plans.append(plan)
+        if plan.state_from == "peers":
+            return self._from_peers(plan)
+        if plan.regrow:
+            self.calls.append(("regrow", plan.regrow))
+        return self._scripted("reform", plan.dead)
+
+    def _from_peers(self, plan):
+        raise AssertionError("replicated state re-forms from a survivor")
 
     def _scripted(self, call, dead):
         self.calls.append((call, tuple(dead)))
@@ -370,6 +378,8 @@ def test_a_lost_worker_with_no_spare_up_is_left_behind_and_its_replacement_joins
     calls = [c for c in group.calls if c[0] in ("regrow", "reform", "joinable", "pause", "launch")]
     assert calls == [("launch",), ("regrow", (1,)), ("reform", (1,)), ("launch",), ("joinable",), ("pause",),
                      ("reform", ()), ("launch",)]
+    # The plans the controller built: without rank 1 left behind to regrow, then the grow.
+    assert group.plans == [ReformPlan(dead=(1,), regrow=(1,)), ReformPlan()]
     log = read(tmp_path / "events.jsonl")
     recovered = next(e for e in log if e["event"] == "recovered")
     assert recovered["dropped"] == [1] and recovered["spares"] == [] and recovered["steps_lost"] == 0
@@ -475,7 +485,7 @@ def test_a_worker_silent_once_its_peer_stopped_is_lost_without_waiting_for_ray_t
                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed],
                         answers=[False], until=lambda g: ("kill", 1, (0,)) in g.calls, frozen=frozen)
     controller, events = recovering(tmp_path, group, max_failures=1)
-    controller.SILENT_AFTER_S = 0  # how long Ray gets to say it first (with its cause)
+    controller.recovery.SILENT_AFTER_S = 0  # how long Ray gets to say it first (with its cause)
     assert controller.run() == WEIGHTS
     events.close()
     assert ("kill", 1, (0,)) in group.calls and ("reform", (1,)) in group.calls and group.asks == 2
@@ -491,7 +501,7 @@ def test_a_worker_slow_to_answer_once_is_not_taken_for_dead(tmp_path):
                          Poll(rows(2, 3), done=True, result=WEIGHTS)], [reformed],
                         answers=[False, True], until=lambda g: g.asks >= 3 or any(c[0] == "kill" for c in g.calls))
     controller, events = recovering(tmp_path, group, max_failures=1)
-    controller.SILENT_AFTER_S = 0
+    controller.recovery.SILENT_AFTER_S = 0
     assert controller.run() == WEIGHTS
     events.close()
     assert not [c for c in group.calls if c[0] == "kill"]
@@ -591,10 +601,10 @@ class ShardedGroup(FailingGroup):
         self.calls.append(("setup", resume))
         return Formed(NODES, total_steps=3, replicated=False)
 
-    def reform_from_peers(self, dead, regrow=(), grow=False, leave=()):
-        if regrow or grow:
-            self.calls.append(("reshard", tuple(regrow), grow))
-        return self._scripted("reform_from_peers", dead)
+    def _from_peers(self, plan):
+        if plan.regrow or plan.grow:
+            self.calls.append(("reshard", plan.regrow, plan.grow))
+        return self._scripted("reform_from_peers", plan.dead)
 
 
 def test_sharded_state_recovers_from_peer_snapshots_and_replays_the_steps_since(tmp_path):
@@ -662,6 +672,8 @@ def test_sharded_state_goes_on_without_the_lost_ranks_resharded_and_grows_back_w
     assert [c for c in group.calls if c[0] in ("setup", "shutdown", "reshard", "reform_from_peers")] == [
         ("setup", None), ("reshard", (1,), False), ("reform_from_peers", (1,)), ("reshard", (), True),
         ("reform_from_peers", ()), ("shutdown",)]
+    assert group.plans == [ReformPlan(dead=(1,), regrow=(1,), state_from="peers"),
+                           ReformPlan(state_from="peers", grow=True)]
     log = read(tmp_path / "events.jsonl")
     recovered = next(e for e in log if e["event"] == "recovered")
     assert recovered["state_from"] == "peers" and recovered["dropped"] == [1] and recovered["steps_lost"] == 1
@@ -678,6 +690,7 @@ def test_exact_recovery_of_sharded_state_waits_for_the_replacement_at_the_same_w
     assert controller.run() == WEIGHTS
     events.close()
     assert not [c for c in group.calls if c[0] == "reshard"] and ("reform_from_peers", (1,)) in group.calls
+    assert group.plans == [ReformPlan(dead=(1,), state_from="peers")]
     recovered = next(e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered")
     assert recovered["replacing"] == "failure.recovery is exact"
 
@@ -835,3 +848,31 @@ def test_a_slow_worker_is_not_hung_however_long_it_takes(tmp_path, monkeypatch):
     events.close()
     assert not [c for c in group.calls if c[0] == "kill"]
     assert "worker_failed" not in [e["event"] for e in read(tmp_path / "events.jsonl")]
+
+
+def test_a_reform_plan_names_its_ranks_as_tuples_and_grows_only_from_peers():
+    """The one way the controller asks a group to re-form (WorkerGroup.reform): the plan is
+    a value (the fakes above compare it), whatever sequences it was built from."""
+    assert ReformPlan(dead=[1], leave=[2], regrow=[1]) == ReformPlan(dead=(1,), leave=(2,), regrow=(1,))
+    assert ReformPlan().state_from == "survivor" and not ReformPlan().grow
+    with pytest.raises(ValueError, match="from peers"):
+        ReformPlan(grow=True)  # from a survivor the workers ready to join always join
+
+
+@pytest.mark.parametrize("replicated, recovery, plan", [
+    (True, "fast", ReformPlan(dead=(1,), regrow=(1,))),
+    (True, "exact", ReformPlan(dead=(1,))),
+    (False, "fast", ReformPlan(dead=(1,), regrow=(1,), state_from="peers")),
+    (False, "exact", ReformPlan(dead=(1,), state_from="peers")),
+])
+def test_each_recovery_path_asks_for_its_plan(tmp_path, replicated, recovery, plan):
+    """Replicated state re-forms from a survivor, sharded from the peer snapshots; a fast
+    recovery leaves the rank with no spare up behind to regrow, an exact one waits for it."""
+    reformed = Reformed(step=1, nodes=NODES, source=0 if replicated else None, replaced=[1])
+    polls = [Poll(rows(1)), Poll(failures=[died(1)]), Poll(failures=[interrupted(0)]),
+             Poll(rows(2, 3), done=True, result=WEIGHTS)]
+    group = FailingGroup(polls, [reformed]) if replicated else ShardedGroup(polls, [reformed])
+    controller, events = recovering(tmp_path, group, max_failures=1, recovery=recovery)
+    assert controller.run() == WEIGHTS
+    events.close()
+    assert group.plans == [plan]

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from raytrainer.contract import ReformPlan
+
 from .conftest import assert_no_leaks
 from .faults import Run, freeze, kill
 from .waits import join, patience, wait_until
@@ -497,11 +499,11 @@ def test_survivors_of_a_failed_re_form_form_the_next_group_with_a_fresh_worker(r
         kill(nodes[1].pid)
         stall.write_text("!" + " ".join(str(n.pid) for n in nodes))  # rank 1's replacement stalls
         with pytest.raises(ReformFailed) as failed:
-            group.reform([1])
+            group.reform(ReformPlan(dead=[1]))
         assert sorted((f.rank, f.kind) for f in failed.value.failures) == [(0, "interrupted"), (2, "interrupted")]
         assert failed.value.dead == [1]
         stall.unlink()
-        reformed = group.reform([1])
+        reformed = group.reform(ReformPlan(dead=[1]))
         assert reformed.replaced == [1] and [n.pid for n in reformed.nodes][::2] == [nodes[0].pid, nodes[2].pid]
     finally:
         stall.unlink(missing_ok=True)
@@ -529,7 +531,7 @@ def test_a_worker_lost_while_its_peers_wait_in_the_rendezvous_leaves_them_in_pla
 
     def reform():
         try:
-            ended.append(group.reform([1]))
+            ended.append(group.reform(ReformPlan(dead=[1])))
         except ReformFailed as exc:
             ended.append(exc)
 
@@ -551,7 +553,7 @@ def test_a_worker_lost_while_its_peers_wait_in_the_rendezvous_leaves_them_in_pla
         assert sorted((f.rank, f.kind) for f in failed.failures) == [(0, "interrupted"), (1, "died"),
                                                                      (2, "interrupted")]
         stall.unlink()
-        reformed = group.reform([1])
+        reformed = group.reform(ReformPlan(dead=[1]))
         assert [n.pid for n in reformed.nodes][::2] == [nodes[0].pid, nodes[2].pid] and reformed.source is not None
         assert ray.get(group.roster.actors[0].status.remote()).step == 0
     finally:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import raytrainer
-from raytrainer.contract import Status
+from raytrainer.contract import ReformPlan, Status
 from raytrainer.errors import ConfigError, TaskError, WorkerError
-from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, Replacing, blame, choose_source,
-                                      choose_state, hand_over_by_copy, keep_waiting_for_placement, replacing,
-                                      secure_at_once, secure_where)
+from raytrainer.driver.policy import (Failure, FailurePolicy, FailuresExceeded, Replacing, StateChoice, blame,
+                                      choose_source, choose_state, hand_over_by_copy, keep_waiting_for_placement,
+                                      replacing, secure_at_once, secure_where)
 
 from .conftest import assert_no_leaks, assert_no_loader_processes
 from .faults import kill
@@ -163,7 +163,7 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
             failed += group.poll(0.5).failures
         assert sorted(f.rank for f in failed) == [0, 1, 2]
         assert set(group.spares_ready([1, 2])) == {1, 2}
-        reformed = group.reform([1, 2])
+        reformed = group.reform(ReformPlan(dead=[1, 2]))
         assert reformed.replaced == [1, 2] and set(group.actors[1:]) == set(spares)
         # Built once each, before the kill: their setup adopted what they built.
         assert builds(tmp_path, pids) == built and all(t < killed_at for _, t in built)
@@ -401,11 +401,11 @@ def test_the_state_comes_from_the_survivor_furthest_ahead():
 
 def test_a_state_kept_from_an_earlier_attempt_serves_unless_a_survivor_is_further():
     at5, at6 = Status(5, 9, "framework"), Status(6, 9, "framework")
-    assert choose_state({0: at5, 2: at6}, None) == (2, True)  # take the furthest survivor's
-    assert choose_state({0: at5, 2: at6}, at6) == (2, False)  # the kept copy is that state
-    assert choose_state({0: at5}, at6) == (None, False)  # its giver is gone: the kept copy
-    assert choose_state({0: at6}, at5) == (0, True)
-    assert choose_state({}, at5) == (None, False) and choose_state({}, None) == (None, False)
+    assert choose_state({0: at5, 2: at6}, None) == StateChoice(2, take=True)  # take the furthest survivor's
+    assert choose_state({0: at5, 2: at6}, at6) == StateChoice(2, take=False)  # the kept copy is that state
+    assert choose_state({0: at5}, at6) == StateChoice(None, take=False)  # its giver is gone: the kept copy
+    assert choose_state({0: at6}, at5) == StateChoice(0, take=True)
+    assert choose_state({}, at5) == choose_state({}, None) == StateChoice(None, take=False)
 
 
 def test_a_re_form_secures_the_state_in_the_object_store_only_for_a_worker_that_takes_it():
@@ -534,7 +534,7 @@ def test_the_next_warm_spares_start_once_the_recovered_group_has_trained_a_step(
         start_joiners=lambda in_use, draining: calls.append(("start_joiners",)) or 0,
         starting=lambda: False)
     group._stepped = True  # the group before the loss had trained
-    reformed = group.reform([1])
+    reformed = group.reform(ReformPlan(dead=[1]))
     assert calls == [("kill", 1), ("take_spare", "n1"), ("wait_placed", {1: "the spare's node() call"}),
                      ("form", [0, 1]), ("start_joiners",)]
     assert reformed.replaced == [1] and group.actors == ["w0", "spare"] and group.roster.nodes[1].pid == 7

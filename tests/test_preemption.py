@@ -31,23 +31,23 @@ def leave(**kw):
 
 
 def test_leave_as_soon_as_every_leaver_has_a_replacement():
-    assert leave(ready=1)[0]
-    assert leave(leaving=2, ready=2, seconds_left=None)[0]
-    assert not leave(leaving=0)[0]
+    assert leave(ready=1).now
+    assert leave(leaving=2, ready=2, seconds_left=None).now
+    assert not leave(leaving=0).now
 
 
 def test_wait_for_replacements_up_to_replace_timeout_then_shrink_if_min_workers_hold():
-    assert not leave(min_workers=2, waited_s=5.0)[0]  # replacements may still come
-    go, why = leave(min_workers=2, waited_s=10.0)
-    assert go and "replace_timeout_s=10" in why
-    go, why = leave(min_workers=2, seconds_left=LEAVE_MARGIN_S + 0.5)  # not before the deadline allows
-    assert go and "deadline" in why
-    assert leave(min_workers=2, seconds_left=-5.0)[0]  # past its deadline, the node still runs: go now
+    assert not leave(min_workers=2, waited_s=5.0).now  # replacements may still come
+    decision = leave(min_workers=2, waited_s=10.0)
+    assert decision.now and "replace_timeout_s=10" in decision.reason
+    decision = leave(min_workers=2, seconds_left=LEAVE_MARGIN_S + 0.5)  # not before the deadline allows
+    assert decision.now and "deadline" in decision.reason
+    assert leave(min_workers=2, seconds_left=-5.0).now  # past its deadline, the node still runs: go now
 
 
 def test_below_min_workers_training_goes_on_until_the_node_is_gone():
-    go, why = leave(min_workers=3, waited_s=100.0, seconds_left=1.0)
-    assert not go and "min_workers=3" in why
+    decision = leave(min_workers=3, waited_s=100.0, seconds_left=1.0)
+    assert not decision.now and "min_workers=3" in decision.reason
 
 
 def test_the_state_comes_from_a_worker_that_stays_among_equals():
@@ -99,8 +99,9 @@ class DrainedGroup:
     def pause(self):
         self.calls.append(("pause",))
 
-    def reform(self, dead, leave=()):
-        self.calls.append(("reform", tuple(dead), tuple(leave)))
+    def reform(self, plan):
+        assert plan.state_from == "survivor" and not plan.regrow
+        self.calls.append(("reform", plan.dead, plan.leave))
         return Reformed(step=2, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
 
     def shutdown(self, keep=False):
@@ -139,7 +140,7 @@ def test_a_drained_node_is_left_at_a_pause_for_replacements_with_no_failure(tmp_
     assert (left["node_id"], left["ranks"], left["moved"], left["dropped"], left["steps_lost"]) == \
         ("n2", [1], [1], [], 0)
     assert left["deadline"] == group.deadline and 0 < left["seconds_to_deadline"] <= 60
-    assert controller.world == 2 and controller._nodes[1].node_id == "n3"
+    assert controller.world == 2 and controller.formation.nodes[1].node_id == "n3"
 
 
 def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
@@ -147,8 +148,8 @@ def test_an_elastic_run_without_room_leaves_the_node_and_shrinks(tmp_path):
     done = RunEnd("finished", 4, stop_reason="completed", model_uri="w")
 
     class NoRoom(DrainedGroup):
-        def reform(self, dead, leave=()):
-            self.calls.append(("reform", tuple(dead), tuple(leave)))
+        def reform(self, plan):
+            self.calls.append(("reform", plan.dead, plan.leave))
             return Reformed(step=2, nodes=[NODES[0]], source=0, dropped=[1])
 
         def joinable(self):

@@ -11,7 +11,7 @@ from raytrainer.config.failure import AUTO_FIRST, AUTO_MOST, auto_interval
 from raytrainer.contract import Holdings
 from raytrainer.errors import ConfigError
 from raytrainer.worker.loop import Loop, LoopSettings, Outlets
-from raytrainer.driver.policy import choose_snapshot
+from raytrainer.driver.policy import SnapshotChoice, choose_snapshot
 from raytrainer.worker import snapshot as snapshot_module
 from raytrainer.worker.snapshot import PeerSnapshots, check_memory
 
@@ -26,27 +26,27 @@ def held(world, own, peer):
 def test_a_lost_rank_goes_back_to_the_newest_step_its_successor_holds_a_copy_of():
     # Rank 2 had taken its snapshot of step 8 but not yet received rank 1's: step 4 serves.
     survivors = held(3, own={0: [4, 8], 2: [4, 8]}, peer={0: [4, 8], 2: [4]})
-    assert choose_snapshot(3, [1], survivors) == (4, "")
+    assert choose_snapshot(3, [1], survivors) == SnapshotChoice(4)
     survivors = held(3, own={0: [8], 2: [8]}, peer={0: [8], 2: [8]})
-    assert choose_snapshot(3, [1], survivors) == (8, "")
+    assert choose_snapshot(3, [1], survivors) == SnapshotChoice(8)
 
 
 def test_a_rank_lost_with_the_peer_holding_its_copy_leaves_no_snapshot():
-    step, why = choose_snapshot(3, [1, 2], held(3, own={0: [8]}, peer={0: [8]}))
-    assert step is None and "rank 1 was lost together with rank 2" in why
+    choice = choose_snapshot(3, [1, 2], held(3, own={0: [8]}, peer={0: [8]}))
+    assert choice.step is None and "rank 1 was lost together with rank 2" in choice.why
     # Ranks 2 and 0 are neighbours in the ring too (0 holds 2's copy).
-    step, why = choose_snapshot(3, [0, 2], held(3, own={1: [8]}, peer={1: [8]}))
-    assert step is None and "rank 2 was lost together with rank 0" in why
+    choice = choose_snapshot(3, [0, 2], held(3, own={1: [8]}, peer={1: [8]}))
+    assert choice.step is None and "rank 2 was lost together with rank 0" in choice.why
 
 
 def test_a_copy_secured_in_an_earlier_attempt_serves_and_the_world_size_must_match():
     # Attempt 1 secured rank 1's copy of step 8; rank 1's replacement (fresh, no snapshots
     # of its own) survives, and rank 2 is lost now: 0 survives, 2's copy is on 0.
     survivors = {0: Holdings(0, 3, (8,), (8,)), 1: Holdings(0, 1, (), ())}  # 1: fresh, never in a group
-    assert choose_snapshot(3, [2], survivors, secured={1: 8}) == (8, "")
-    assert choose_snapshot(3, [2], survivors)[0] is None
-    step, why = choose_snapshot(3, [1], {0: Holdings(0, 2, (8,), (8,)), 2: Holdings(2, 2, (8,), ())})
-    assert step is None and "world size 2" in why
+    assert choose_snapshot(3, [2], survivors, secured={1: 8}) == SnapshotChoice(8)
+    assert choose_snapshot(3, [2], survivors).step is None
+    choice = choose_snapshot(3, [1], {0: Holdings(0, 2, (8,), (8,)), 2: Holdings(2, 2, (8,), ())})
+    assert choice.step is None and "world size 2" in choice.why
 
 
 def test_snapshots_that_would_not_fit_in_memory_are_a_config_error_naming_the_setting():

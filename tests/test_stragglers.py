@@ -122,8 +122,9 @@ class SlowGroup(DrainedGroup):
         self.looks += bool(ranks)
         return list(ranks) if self.looks > 1 else []
 
-    def reform(self, dead, leave=()):
-        self.calls.append(("reform", tuple(dead), tuple(leave)))
+    def reform(self, plan):
+        assert plan.state_from == "survivor" and not plan.regrow
+        self.calls.append(("reform", plan.dead, plan.leave))
         return Reformed(step=40, nodes=[NODES[0], Node("10.0.0.3", node_id="n3", pid=3)], source=0, moved=[1])
 
 

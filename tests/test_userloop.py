@@ -253,6 +253,7 @@ def test_your_loop_resumes_from_its_newest_checkpoint(undisturbed, tmp_path):
 def test_your_loop_pauses_at_a_report_with_state_and_goes_on_from_it(ray_local, tmp_path):
     """A resize's pause (the group's, as the controller asks it): every rank stops at the
     first report with state after the ask, and fn runs again from that state."""
+    from raytrainer.contract import ReformPlan
     from raytrainer.driver.group import RayWorkerGroup
 
     cfg = loop_config(tmp_path, "pause", state_every=4, sleep_s=0.02, marker=str(tmp_path / "slow"))
@@ -272,7 +273,7 @@ def test_your_loop_pauses_at_a_report_with_state_and_goes_on_from_it(ray_local, 
             rows += poll.rows
             paused.update(poll.paused)
         assert {end.step for end in paused.values()} == {rows[-1]["step"]} and rows[-1]["step"] % 4 == 0
-        reformed = group.reform([])
+        reformed = group.reform(ReformPlan())
         assert reformed.step == rows[-1]["step"] and reformed.state_from == "memory"
         (tmp_path / "slow").unlink()
         group.launch()

@@ -45,9 +45,7 @@ def test_val_every_n_steps_is_validation_every_n_steps():
     new = load_config({**base, "trainer": {"max_steps": 3, "validation": {"every_n_steps": 4, "async": True}}})
     assert new.trainer.val_every_n_steps == 4 and new.trainer.validation.async_
     # A resolved config holds both; --set of either name replaces both.
-    from raytrainer.config import _to_dict
-
-    assert load_config(_to_dict(new), ["trainer.val_every_n_steps=6"]).trainer.validation.every_n_steps == 6
+    assert load_config(new.to_dict(), ["trainer.val_every_n_steps=6"]).trainer.validation.every_n_steps == 6
     with pytest.raises(ConfigError, match="trainer.val_every_n_steps=5 and trainer.validation.every_n_steps=4"):
         load_config({**base, "trainer": {"max_steps": 3, "val_every_n_steps": 5, "validation": {"every_n_steps": 4}}})
     with pytest.raises(ConfigError, match="trainer.validation.num_workers=0"):

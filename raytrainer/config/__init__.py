@@ -28,7 +28,7 @@ from .data import DataConfig
 from .failure import ChaosFault, FailureConfig
 from .run import LOGGER_KEYS, LoggerConfig, RunConfig, resolve_paths
 from .scaling import ScalingConfig
-from .schema import _build, _deepcopy, _key, _to_dict
+from .schema import build, copy_tree, to_dict, yaml_key
 from .task import Component, TaskConfig
 from .trainer import CompileConfig, EarlyStoppingConfig, FSDPConfig, LRScheduleConfig, TrainerConfig, ValidationConfig
 
@@ -88,7 +88,7 @@ class Config:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
+        return to_dict(self)
 
 
 # What a run of your own loop (task.loop) takes from the config: the loop does its own
@@ -113,10 +113,10 @@ def _check_loop_config(config: Config) -> None:
         for f in dataclasses.fields(section):
             if f.name not in allowed and getattr(section, f.name) != getattr(default, f.name):
                 raise ConfigError(
-                    f"{name}.{_key(f)} applies to a Task's loop, not to your own (task.loop); "
+                    f"{name}.{yaml_key(f)} applies to a Task's loop, not to your own (task.loop); "
                     f"remove it and {instead}. A loop takes trainer.{', trainer.'.join(allowed)}"
                     if name == "trainer" else
-                    f"{name}.{_key(f)} applies to a Task's loop, not to your own (task.loop); {instead}"
+                    f"{name}.{yaml_key(f)} applies to a Task's loop, not to your own (task.loop); {instead}"
                 )
     _check_loop_validation(config.trainer.validation)
     if config.failure.chaos:
@@ -128,8 +128,8 @@ def _check_loop_validation(validation: ValidationConfig) -> None:
     default = type(validation)()
     for f in dataclasses.fields(validation):
         if f.name not in LOOP_VALIDATION_KEYS and getattr(validation, f.name) != getattr(default, f.name):
-            raise ConfigError(f"trainer.validation.{_key(f)} applies to a Task's loop, not to your own (task.loop), "
-                              "which validates when it asks, ctx.report(state=..., validate=fn): remove it; a loop "
+            raise ConfigError(f"trainer.validation.{yaml_key(f)} applies to a Task's loop, not to your own "
+                              "(task.loop), which validates when it asks, ctx.report(state=..., validate=fn): remove it; a loop "
                               "takes trainer.validation.resources (what fn's Ray task asks)")
 
 
@@ -198,7 +198,7 @@ def _num_workers_sets_the_size(raw: dict[str, Any], overrides: list[str]) -> Non
 def load_config(source: str | Path | dict[str, Any], overrides: typing.Iterable[str] = ()) -> Config:
     """Build a validated Config from a YAML path or a dict, then apply --set overrides."""
     if isinstance(source, dict):
-        raw = _deepcopy(source)
+        raw = copy_tree(source)
     else:
         path = Path(source)
         if not path.is_file():
@@ -207,7 +207,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: typing.Iterable[
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return _build(Config, apply_overrides(_renamed(raw), overrides), "")
+    return build(Config, apply_overrides(_renamed(raw), overrides), "")
 
 
 def _renamed(raw: dict[str, Any]) -> dict[str, Any]:

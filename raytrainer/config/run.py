@@ -66,7 +66,7 @@ class LoggerConfig:
     events, model.pt): a built-in `type`, or a user's own sink class (`target`, `args`).
     Each runs on its own thread, so a slow or failed one never holds training up."""
 
-    IN_LISTS: ClassVar[bool] = True  # loggers: a list (schema._build)
+    IN_LISTS: ClassVar[bool] = True  # loggers: a list (schema.build)
 
     type: Literal["tensorboard", "mlflow", "wandb"] | None = None
     target: str | None = None

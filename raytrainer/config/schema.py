@@ -1,4 +1,8 @@
-"""YAML values checked against the sections' annotations: the key, what is allowed, the fix."""
+"""YAML values checked against the sections' annotations: the key, what is allowed, the fix.
+
+The config package's shared helpers: `build` a section from its mapping, `checked` a value
+against an annotation (`type_name` names what it allows), a field's `yaml_key`, a config
+back `to_dict`, and `copy_tree` of a loaded mapping."""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ from typing import Any, Literal
 from ..errors import ConfigError
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is dict or dataclasses.is_dataclass(tp):
         return "mapping"
     if origin is list:
@@ -25,7 +29,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _check(value: Any, tp: Any, key: str) -> Any:
+def checked(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked (and int->float widened) against annotation `tp`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -35,25 +39,25 @@ def _check(value: Any, tp: Any, key: str) -> Any:
         for arm in arms:
             if dataclasses.is_dataclass(arm):
                 if isinstance(value, dict) or len(arms) == 1:  # a section: its own errors are the useful ones
-                    return _check(value, arm, key)
+                    return checked(value, arm, key)
                 continue
             try:
-                return _check(value, arm, key)
+                return checked(value, arm, key)
             except ConfigError:
                 pass
     elif origin is Literal:
         if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
             return value
     elif dataclasses.is_dataclass(tp):
-        return _build(tp, {} if value is None else value, key)
+        return build(tp, {} if value is None else value, key)
     elif origin is list:
         if isinstance(value, list):
             (item_tp,) = typing.get_args(tp)
-            return [_check(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+            return [checked(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
         if isinstance(value, dict):
             _, value_tp = typing.get_args(tp)
-            return {str(k): _check(v, value_tp, f"{key}.{k}") for k, v in value.items()}
+            return {str(k): checked(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     elif tp is Any:
         return value
     elif tp is type(None):
@@ -67,14 +71,14 @@ def _check(value: Any, tp: Any, key: str) -> Any:
             return value
     elif isinstance(value, tp):
         return value
-    raise ConfigError(f"{key}={value!r} has the wrong type or value; allowed: {_type_name(tp)}")
+    raise ConfigError(f"{key}={value!r} has the wrong type or value; allowed: {type_name(tp)}")
 
 
-def _build(cls: type, data: Any, prefix: str):
+def build(cls: type, data: Any, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {_key(f): f for f in _config_fields(cls)}
+    fields = {yaml_key(f): f for f in _config_fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"section '{prefix}'" if prefix else "the top level"
@@ -89,7 +93,7 @@ def _build(cls: type, data: Any, prefix: str):
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"missing required key '{key}'")
             continue
-        kwargs[f.name] = _check(data[name], hints[f.name], key)
+        kwargs[f.name] = checked(data[name], hints[f.name], key)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
@@ -98,7 +102,7 @@ def _build(cls: type, data: Any, prefix: str):
         raise
 
 
-def _key(f: dataclasses.Field) -> str:
+def yaml_key(f: dataclasses.Field) -> str:
     """The YAML key of a field (differs where the key is a Python keyword, e.g. async)."""
     return f.metadata.get("key", f.name)
 
@@ -108,13 +112,13 @@ def _config_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls_or_obj) if not f.metadata.get("internal")]
 
 
-def _to_dict(obj: Any) -> Any:
+def to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {_key(f): _to_dict(getattr(obj, f.name)) for f in _config_fields(obj)}
+        return {yaml_key(f): to_dict(getattr(obj, f.name)) for f in _config_fields(obj)}
     if isinstance(obj, list):
-        return [_to_dict(v) for v in obj]
+        return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
-        return {k: _to_dict(v) for k, v in obj.items()}
+        return {k: to_dict(v) for k, v in obj.items()}
     return obj
 
 
@@ -122,9 +126,9 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _deepcopy(data: Any) -> Any:
+def copy_tree(data: Any) -> Any:
     if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
+        return {k: copy_tree(v) for k, v in data.items()}
     if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
+        return [copy_tree(v) for v in data]
     return data

@@ -13,7 +13,7 @@ from .taskargs import annotations_from_source, typed_args
 class Component:
     """A class named by import path and the keyword arguments to build it with."""
 
-    IN_LISTS: ClassVar[bool] = True  # callbacks: a list (schema._build)
+    IN_LISTS: ClassVar[bool] = True  # callbacks: a list (schema.build)
 
     target: str
     """Import path of the class, `package.module:ClassName`."""

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 from ..errors import ConfigError
 from . import source
-from .schema import _check, _type_name
+from .schema import checked, type_name
 
 _NAMES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "Any": Any, "None": type(None),
                           "list": list, "List": list, "dict": dict, "Dict": dict}
@@ -70,11 +70,11 @@ def typed_args(args: dict[str, Any], annotations: dict[str, Any] | None, path: s
 
 def _coerced(value: Any, tp: Any, key: str, path: str) -> Any:
     try:
-        return _check(value, tp, key)
+        return checked(value, tp, key)
     except ConfigError:
         pass
     try:
-        return _check(_from_text(value, tp), tp, key)
+        return checked(_from_text(value, tp), tp, key)
     except ConfigError:
         quote = " (quoted, in YAML)" if tp is str else ""
         raise ConfigError(f"{key}={value!r} has the wrong type: {path} annotates it as {_name(tp)}; "
@@ -82,13 +82,13 @@ def _coerced(value: Any, tp: Any, key: str, path: str) -> Any:
 
 
 def _name(tp: Any) -> str:
-    """As schema's _type_name, with a list's items (list[int])."""
+    """As schema's type_name, with a list's items (list[int])."""
     origin = typing.get_origin(tp)
     if origin is Union:
         return " | ".join(_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{_name(typing.get_args(tp)[0])}]"
-    return _type_name(tp)
+    return type_name(tp)
 
 
 def _from_text(value: Any, tp: Any) -> Any:
@@ -122,7 +122,7 @@ def _from_text(value: Any, tp: Any) -> Any:
 # --------------------------------------------------------------------------- annotations to types
 
 def _type(annotation: Any) -> Any:
-    """The annotation as a type schema._check knows, or _UNCHECKED."""
+    """The annotation as a type schema.checked knows, or _UNCHECKED."""
     if annotation is None:
         return _UNCHECKED
     if isinstance(annotation, str):

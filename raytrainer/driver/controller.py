@@ -10,11 +10,13 @@ The controller knows no torch and no Ray: it drives any worker group
 (driver.group.RayWorkerGroup in production, a fake in tests), writes every lifecycle
 change to the event log and every metric row to the sinks, asks the failure
 policy what to do when workers fail or hang, and always shuts the group down,
-whatever happened. Its larger parts are modules of their own: recovery.py (a failure:
-every worker stopped, the group re-formed from what survives, attempt after attempt),
-resizing.py (when an elastic run grows, how long a run may stay below min_workers, the
-events of a size change), recorder.py (the workers' rows and events into the records),
-and two watches, watchdog.py (hangs) and drainwatch.py (draining nodes).
+whatever happened. Its larger parts are modules of their own: formation.py (the group as
+it stands, Formation, which the controller and a recovery share, and the ways it is formed
+and re-formed, Former), recovery.py (a failure: every worker stopped, the group re-formed
+from what survives, attempt after attempt), resizing.py (when an elastic run grows, how
+long a run may stay below min_workers, the events of a size change), recorder.py (the
+workers' rows and events into the records), and two watches, watchdog.py (hangs) and
+drainwatch.py (draining nodes).
 
 Recovery keeps the survivors: they stop at the last step they completed, the
 group replaces the lost workers and re-forms, the survivor furthest ahead gives
@@ -59,15 +61,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..callbacks import Callbacks, RunContext
 from ..config import Config, FailureConfig
-from ..contract import Failure, Formed, Node, Poll, ReformFailed, Reformed, Resume, WorkerGroup
-from ..errors import CheckpointCorrupt, ConfigError, RaytrainerError, Stopped, WorkerError, warn
-from .metrics import EventLog, MetricsHub
+from ..contract import Failure, Poll, ReformFailed, ReformPlan, Resume, WorkerGroup
+from ..errors import RaytrainerError, Stopped, WorkerError, warn
 from .drainwatch import DrainWatch
+from .formation import Formation, Former
 from .stragglers import StragglerWatch
 from .policy import FailurePolicy, poll_wait
-from .recorder import Recorder
+from .recorder import Recorder, Records
 from .recovery import Recovery
 from .resizing import Resizing
 from .watchdog import Watchdog
@@ -126,31 +127,7 @@ class ControllerSettings:
                    per_worker_batch=config.trainer.batch_policy == "per_worker" or config.task.is_loop)
 
 
-@dataclass(kw_only=True)
-class Records:
-    """Where the controller writes what happens: metric rows (the hub: metrics.jsonl, the
-    loggers), lifecycle events, the progress line, and driver callbacks with their context."""
-
-    hub: MetricsHub
-    events: EventLog
-    progress: Any = None
-    callbacks: Callbacks = field(default_factory=lambda: Callbacks([]))
-    context: RunContext = field(default_factory=lambda: RunContext(run_dir=None, config=None))
-
-
 class Controller:
-    # While a failure settles (Recovery.settle): after a survivor stopped with its state, how
-    # long the others get to stop before those still waiting in a collective are killed: a
-    # last resort, for a collective that the shut-down connections (the survivors' abort,
-    # and each survivor's as it leaves) did not fail, which would wait for
-    # failure.collective_timeout_s. The state is in the stopped ones.
-    UNBLOCK_AFTER_S = 2.0
-
-    # The same: after a survivor stopped, how long Ray gets to report a worker's death itself
-    # (with its cause: an OOM kill, a segfault) before one that does not answer is taken for
-    # dead.
-    SILENT_AFTER_S = 0.5
-
     def __init__(self, group: WorkerGroup, settings: ControllerSettings, records: Records, *,
                  resume: Resume | None = None, restore: Callable[..., Resume | None] | None = None,
                  takeover: Any = None):
@@ -164,30 +141,42 @@ class Controller:
         self.min_workers = settings.min_workers
         self.size = settings.size or settings.min_workers
         self.max_workers = settings.max_workers or self.size
-        self.world = 0  # the current world size
-        self._replicated = True  # whether every worker holds the whole state (Formed)
-        self._nodes: list[Node] = []  # where each rank runs
-        self._paused: dict[int, Any] = {}  # rank -> its "paused" RunEnd, during a resize
-        self._pause_asked: float | None = None
-        self.per_worker_batch = settings.per_worker_batch
+        self.formation = Formation()  # the group as it stands: its size, nodes, step, the pause under way
         self.launched = settings.launched
-        self._leaving: dict[int, dict[str, Any]] = {}  # rank -> its node's drain, while it leaves
-        self.hub, self.events, self.progress = records.hub, records.events, records.progress
+        self.events, self.progress = records.events, records.progress
         self.poll_interval_s, self.max_poll_s = settings.poll_interval_s, settings.max_poll_s
         self.callbacks, self.ctx = records.callbacks, records.context
         self.state = State.STARTING
-        self.step = 0
         self.result: Any = None
+        node_ip = self.formation.node_ip
         self.recorder = Recorder(records)
-        self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, self._node_ip)
-        self.drains = DrainWatch(group, self.events, settings.drain_check_s, settings.replace_timeout_s,
-                                 self._node_ip)
-        self.resizing = Resizing(group, self.events, settings)
+        self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, node_ip)
+        self.drains = DrainWatch(group, self.events, settings.drain_check_s, settings.replace_timeout_s, node_ip)
+        self.resizing = Resizing(group, self.events, min_workers=self.min_workers, size=self.size,
+                                 max_workers=self.max_workers, check_s=settings.grow_check_s,
+                                 patience_s=settings.replace_timeout_s,
+                                 placement_timeout_s=settings.placement_timeout_s)
         self.stragglers = StragglerWatch(self.events, self.failure.stragglers, self.failure.straggler_margin,
-                                         self.failure.straggler_window, self._node_ip)
-        self.recovery = Recovery(self)
-        self._gave_up: str | None = None
+                                         self.failure.straggler_window, node_ip)
+        self.former = Former(group, self.formation, events=self.events, recorder=self.recorder,
+                             resizing=self.resizing, stragglers=self.stragglers, watchdog=self.watchdog,
+                             context=self.ctx, progress=self.progress, restore=self.restore)
+        self.recovery = Recovery(group, self.formation, self.former, policy=self.policy, failure=self.failure,
+                                 events=self.events, recorder=self.recorder, watchdog=self.watchdog,
+                                 resizing=self.resizing, poll=self._poll,
+                                 per_worker_batch=settings.per_worker_batch,
+                                 elastic=self.max_workers > self.min_workers)
         self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
+
+    @property
+    def world(self) -> int:
+        """The world size."""
+        return self.formation.size
+
+    @property
+    def step(self) -> int:
+        """The last step the run completed, as the driver knows it."""
+        return self.formation.step
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next step boundary the workers agree on, commit a checkpoint there,
@@ -212,16 +201,16 @@ class Controller:
                     self._recover(poll.failures)
                 elif hung := self._hung():
                     self._recover(hung)
-                elif len(self._paused) == self.world:
+                elif self.formation.all_paused():
                     if self.stop_signal is not None:
                         self._stop()
                     self._resize()
-                elif self.stop_signal is not None and self._pause_asked is None:
+                elif self.stop_signal is not None and self.formation.pause_asked is None:
                     # A stop pauses the workers as a resize or a drain does: at a step
                     # boundary every rank agrees on in its metrics reduction.
                     self._pause()
                 else:
-                    self.resizing.check_short(self.world)
+                    self.resizing.check_short(self.formation.size)
                     self._watch_drains()
                     self._move_stragglers()
                     self._look_for_room()
@@ -232,8 +221,8 @@ class Controller:
             raise
         except BaseException as exc:
             self.state = State.FAILED
-            self.events.log("failed", step=self.step, **_describe(exc),
-                            **({"reason": self._gave_up} if self._gave_up else {}))
+            gave_up = self.recovery.gave_up
+            self.events.log("failed", step=self.step, **_describe(exc), **({"reason": gave_up} if gave_up else {}))
             raise
         finally:
             self.group.shutdown(keep=self.state is State.FINISHED)
@@ -244,9 +233,9 @@ class Controller:
         """Form the group (recovering where a worker is lost meanwhile); training runs."""
         try:
             if self.takeover is not None:
-                self._take_over(t0)
+                self.former.take_over(self.takeover, t0)
             else:
-                self._form(self.resume, t0, check_storage=True)
+                self.former.form(self.resume, t0, first=True)
         except ReformFailed as exc:  # a worker lost while the group first formed
             self._recover(exc.failures, lost=exc.dead)
         self.state = State.RUNNING
@@ -260,71 +249,10 @@ class Controller:
         self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
                         reason=self.result.stop_reason)
 
-    def _form(self, resume: Resume | None, t0: float, check_storage: bool = False) -> Resume | None:
-        """Place and start the workers, form the group (from `resume` if given, or an older
-        checkpoint where that one is corrupt), launch; return the checkpoint it formed from."""
-        nodes = self._nodes = self.group.start()
-        self.world = len(nodes)
-        self._paused, self._pause_asked, self._leaving = {}, None, {}
-        self.resizing.formed(self.world)
-        self.stragglers.formed()
-        if check_storage:
-            checked = self.group.check_storage(nodes)  # before any work that storage would lose
-            if checked:
-                self.events.log("storage_checked", step=self.step, **checked)
-        formed, resume = self._setup(resume)
-        self._replicated = formed.replicated
-        self.step = self.ctx.step = resume[0] if resume else 0
-        self.recorder.train_step = max(self.recorder.train_step, self.step)
-        if resume:
-            self.recorder.kept(resume[0])
-            self.events.log("resumed", step=self.step, checkpoint=resume[1])
-        if self.progress is not None:
-            self.progress.total_steps = formed.total_steps
-        self.events.log("group_formed", step=self.step, world_size=self.world,
-                        nodes=[n.ip for n in formed.nodes], pids=[n.pid for n in formed.nodes],
-                        seconds=round(time.monotonic() - t0, 3), total_steps=formed.total_steps,
-                        steps_per_epoch=formed.steps_per_epoch)
-        self.group.launch()
-        self.watchdog.reset()
-        return resume
-
-    def _take_over(self, t0: float) -> None:
-        """The workers a lost driver of the run left, paused at one step with the state in
-        memory: the group re-formed over them from that memory, and training goes on at
-        their step (nothing lost but a step in flight)."""
-        formed, step = self.group.adopt(self.takeover)
-        self._nodes, self.world = formed.nodes, formed.world_size
-        self.resizing.formed(self.world)
-        self._replicated = formed.replicated
-        self.step = self.ctx.step = step
-        if self.progress is not None:
-            self.progress.total_steps = formed.total_steps
-        self._reform([])
-        self.events.log("group_formed", step=self.step, world_size=self.world, nodes=[n.ip for n in self._nodes],
-                        pids=[n.pid for n in self._nodes], seconds=round(time.monotonic() - t0, 3),
-                        total_steps=formed.total_steps, steps_per_epoch=formed.steps_per_epoch, taken_over=True)
-
-    def _setup(self, resume: Resume | None) -> tuple[Formed, Resume | None]:
-        """Form the group from `resume`; where the workers find that checkpoint corrupt,
-        say so and form it from the next older one (from step 0 when none is left)."""
-        while True:
-            try:
-                return self.group.setup(resume[2] if resume else None), resume
-            except CheckpointCorrupt as exc:
-                message = f"{exc}; falling back to an older one"
-                warn(message)  # once: the CLI shows it as a plain line, the API as a warning
-                self.events.log("checkpoint_skipped", step=resume[0], checkpoint=resume[1], why=exc.why)
-                resume = self.restore(resume[0])
-                if resume is None and self.state is State.STARTING:  # nothing to resume from after all
-                    raise ConfigError(f"{exc}, and the run has no older intact checkpoint to start from: set "
-                                      "run.resume to another checkpoint, or choose another run.name "
-                                      "(e.g. --set run.name=NEW)") from None
-
     def _stop(self) -> None:
         """Every worker paused for a stop: commit a checkpoint of that step, say so, raise
         Stopped (the group is shut down on the way out)."""
-        self.step = self.ctx.step = max(end.step for end in self._paused.values())
+        self.formation.step = self.ctx.step = max(end.step for end in self.formation.paused.values())
         try:
             poll = self.group.save_paused()
             self._record(poll.rows)
@@ -341,40 +269,11 @@ class Controller:
                         checkpoint=name, checkpoint_step=at)
         raise Stopped(self.stop_signal, self.step, name, at)
 
-    def _restart(self, leave: list[int] = ()) -> Reformed:
-        """Sharded state: start the group again, with every slot the cluster has, from the
-        checkpoint the workers wrote when they paused (loading it reshards the state).
-        Ray places nothing on a draining node, so the ranks in `leave` start elsewhere."""
-        old_world = self.world
-        self.group.shutdown()
-        self._leaving = {}
-        self._form(self.restore(), time.monotonic())
-        return Reformed(step=self.step, nodes=list(self._nodes), source=None, state_from="checkpoint",
-                        added=max(0, self.world - old_world), dropped=list(range(self.world, old_world)),
-                        moved=[r for r in leave if r < self.world])
-
-    def _reform(self, dead: list[int], leave: list[int] = (), peers: bool = False, regrow: list[int] = (),
-                grow: bool = False) -> Reformed:
-        if peers and (regrow or grow or leave):  # sharded, to another world size: re-sharded
-            reformed = self.group.reform_from_peers(dead, regrow=regrow, grow=grow, leave=leave)
-        elif peers:
-            reformed = self.group.reform_from_peers(dead)
-        elif regrow:
-            reformed = self.group.reform(dead, leave, regrow=regrow)
-        else:
-            reformed = self.group.reform(dead, leave) if leave else self.group.reform(dead)
-        self.world, self._nodes = reformed.world_size, reformed.nodes
-        self._paused, self._pause_asked, self._leaving = {}, None, {}
-        self.stragglers.formed()
-        self.group.launch()
-        self.watchdog.reset()
-        return reformed
-
     # ------------------------------------------------------------------ polls
 
     def _poll(self) -> Poll:
         poll = self.group.poll(self._poll_wait())
-        self._paused.update(poll.paused)
+        self.formation.paused.update(poll.paused)
         self._record(poll.rows)
         self.recorder.worker_events(poll.events)
         return poll
@@ -385,7 +284,7 @@ class Controller:
         due = [self.drains.checked_at + self.drains.check_s]
         if self.failure.step_timeout_s is not None:
             due.append(self.watchdog.checked_at + 1.0)  # the hang check
-        if self.world < self.max_workers and self._pause_asked is None:
+        if self.formation.size < self.max_workers and self.formation.pause_asked is None:
             due.append(self.resizing.checked_at + self.resizing.check_s)
         return poll_wait(time.monotonic(), due, self.poll_interval_s, self.max_poll_s)
 
@@ -394,14 +293,11 @@ class Controller:
         rows = self.recorder.fresh(rows)
         self.stragglers.rows(rows)  # takes the ranks' compute times out: not metrics
         if rows:
-            self.step = max(self.step, rows[-1]["step"])
+            self.formation.step = max(self.formation.step, rows[-1]["step"])
             self.recorder.write(rows)
 
-    def _hung(self, exclude: set[int] = frozenset()) -> list[Failure]:
-        return self.watchdog.hung(self.step, recovering=self.state is State.RECOVERING, exclude=exclude)
-
-    def _node_ip(self, rank: int) -> str | None:
-        return self._nodes[rank].ip if rank < len(self._nodes) else None
+    def _hung(self) -> list[Failure]:
+        return self.watchdog.hung(self.step, recovering=self.state is State.RECOVERING)
 
     # ------------------------------------------------------------------ failures and resizes
 
@@ -418,23 +314,23 @@ class Controller:
     def _pause(self) -> None:
         """Ask every worker to pause at a step boundary they agree on."""
         self.group.pause()
-        self._pause_asked = time.monotonic()
+        self.formation.pause_asked = time.monotonic()
 
     def _look_for_room(self) -> None:
         """Once workers started where the cluster has room are up to join (Resizing.room),
         ask every worker to pause, so that the group re-forms with them (`_resize`)."""
-        if self._pause_asked is None and self.resizing.room(self.world, self.step):
+        if self.formation.pause_asked is None and self.resizing.room(self.formation.size, self.step):
             self._pause()
 
     def _watch_drains(self) -> None:
         """Once workers on draining nodes are to leave (DrainWatch), ask every worker to
         pause, so that the group re-forms without those (`_resize`)."""
-        if self._pause_asked is not None:
+        if self.formation.pause_asked is not None:
             return
-        leaving = self.drains.check(self._nodes, self.world, self.min_workers, self.step,
+        leaving = self.drains.check(self.formation.nodes, self.formation.size, self.min_workers, self.step,
                                    self.recorder.pause_estimate(), keep=self.stragglers.to_replace())
         if leaving:
-            self._leaving = leaving
+            self.formation.leaving = leaving
             self._pause()
 
     def _move_stragglers(self) -> None:
@@ -443,35 +339,37 @@ class Controller:
         (`_resize`), as a worker leaves a draining node: from the others' memory, nothing
         lost. Not a failure: the slow worker is alive and its state good."""
         slow = self.stragglers.to_replace()
-        if not slow or self._pause_asked is not None:
+        if not slow or self.formation.pause_asked is not None:
             return
         ready = self.group.replacements(sorted(set(slow) | set(self.drains.leaving)))
         if set(slow) <= set(ready):
-            self._leaving = {r: {"node_id": self._nodes[r].node_id, "deadline": None, "reason": "slow worker",
-                                 "slow": True} for r in slow}
+            nodes = self.formation.nodes
+            self.formation.leaving = {r: {"node_id": nodes[r].node_id, "deadline": None, "reason": "slow worker",
+                                          "slow": True} for r in slow}
             self._pause()
 
     def _resize(self) -> None:
         """Every worker paused at the same step: re-form with the newcomers, and without
         the workers leaving a draining node."""
         self.state = State.RESIZING
-        paused_at = min(end.time for end in self._paused.values())
-        old_world, leaving, old_nodes = self.world, self._leaving, self._nodes
+        formation = self.formation
+        paused_at = min(end.time for end in formation.paused.values())
+        old_world, leaving, old_nodes = formation.size, formation.leaving, formation.nodes
         try:
-            if self._replicated:
-                reformed = self._reform([], leave=sorted(leaving))
+            if formation.replicated:
+                reformed = self.former.reform(ReformPlan(leave=sorted(leaving)))
             elif self.failure.snapshot_every_n_steps:  # re-sharded from the snapshots kept as they paused
-                reformed = self._reform([], leave=sorted(leaving), peers=True, grow=True)
+                reformed = self.former.reform(ReformPlan(leave=sorted(leaving), state_from="peers", grow=True))
             else:
-                reformed = self._restart(leave=sorted(leaving))
+                reformed = self.former.restart(leave=sorted(leaving))
         except ReformFailed as exc:  # a worker lost while the group re-formed: a failure like any other
-            self.world = exc.world_size or self.world
+            formation.size = exc.world_size or formation.size
             self._recover(exc.failures, lost=exc.dead)
             return
-        self.step = reformed.step
-        self.resizing.resized(old_world, self.world, old_nodes, leaving, reformed,
+        formation.step = reformed.step
+        self.resizing.resized(old_world, formation.size, old_nodes, leaving, reformed,
                               seconds=round(time.time() - paused_at, 3))
-        self.resizing.note_size(self.world)
+        self.resizing.note_size(formation.size)
         self.state = State.RUNNING
 
 

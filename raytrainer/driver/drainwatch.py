@@ -50,12 +50,12 @@ class DrainWatch:
         leaving = self.leaving = sorted(r for ranks in on.values() for r in ranks)
         ready = [r for r in self.group.replacements(sorted(set(leaving) | set(keep))) if r in leaving]
         deadlines = [draining[node] for node in on if draining[node]]
-        go, reason = leave_draining_nodes(
+        leave = leave_draining_nodes(
             leaving=len(leaving), ready=len(ready), world=world, min_workers=min_workers,
             seconds_left=min(deadlines) - time.time() if deadlines else None,
             waited_s=now - min(self._noticed[node] for node in on),
             replace_timeout_s=self.replace_timeout_s, pause_s=pause_s)
-        if not go:
+        if not leave.now:
             return None
-        return {r: {"node_id": node, "deadline": draining[node], "reason": reason}
+        return {r: {"node_id": node, "deadline": draining[node], "reason": leave.reason}
                 for node, ranks in on.items() for r in ranks}

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import _internals
+from ._internals import (answers, bootstrap_address, enable_token_auth, own_process_groups, patient_node_start,
+                         quiet_token_auth_notice, started_local_ray)
 
 MALLOC_SETTINGS = {
     # glibc's malloc gives a block over 32 MB back to the kernel as it is freed (mmap), and
@@ -189,12 +190,12 @@ def connect(address: str | None = None, **options: Any) -> None:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         _wait_for(address, given)
-    joins = None if address else _internals.bootstrap_address()  # a live `ray start` head, which ray.init joins
+    joins = None if address else bootstrap_address()  # a live `ray start` head, which ray.init joins
     if address is None and joins is None and not options and keep_minutes() > 0:
         held = _hold_kept()
         if held is not None:
             if held.auth_mode == "token":
-                _internals.enable_token_auth()
+                enable_token_auth()
             env = _env_diff(state_dir())
             try:
                 ray.init(address=held.address, logging_level="WARNING",
@@ -227,7 +228,7 @@ def _wait_for(address: str, given: str | None) -> None:
     if "://" in address or ":" not in address:
         return
     deadline = time.monotonic() + ANSWER_TIMEOUT_S
-    while not _internals.answers(address):
+    while not answers(address):
         if time.monotonic() > deadline:
             from ..errors import RaytrainerError
 
@@ -243,9 +244,9 @@ def _start_for_this_run(address: str | None, options: dict[str, Any]) -> None:
     import ray
 
     # Its processes outside this process's group: a signal to the run's group is the run's
-    # to stop on, with a checkpoint, not its Ray's (_internals.own_process_groups).
-    with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start(), \
-            _internals.own_process_groups():
+    # to stop on, with a checkpoint, not its Ray's (_internals.py's own_process_groups).
+    with settings(), quiet_token_auth_notice(), patient_node_start(), \
+            own_process_groups():
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", **options)
 
 
@@ -253,7 +254,7 @@ def started_here() -> bool:
     """Whether this process is connected to a Ray started on this machine for it (by
     ray.init, here or in the caller's code) or kept by raytrainer: one node, no autoscaler
     to add any."""
-    return _started_here or _internals.started_local_ray()
+    return _started_here or started_local_ray()
 
 
 def release() -> None:
@@ -278,7 +279,7 @@ def _hold_kept() -> _Hold | None:
     if lock is None:
         return None
     info = _keeper(folder)
-    if info is not None and not _internals.answers(info["address"]):
+    if info is not None and not answers(info["address"]):
         # Its Ray is gone (`ray stop` ends every Ray process on the machine; its keeper, a
         # driver of it, lives on until Ray ends it a minute later): never joined, which would
         # wait on the dead address for good. A new one is started in its place.
@@ -502,7 +503,7 @@ def keep(folder: str | Path, idle_s: float, check_s: float = 2.0) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        with settings(), _internals.quiet_token_auth_notice(), _internals.patient_node_start():
+        with settings(), quiet_token_auth_notice(), patient_node_start():
             ray.init(address="local", _temp_dir=str(folder / "ray"), include_dashboard=False,
                      logging_level="WARNING", log_to_driver=False)
     except Exception:  # into keeper.log, which the run prints: why, where Ray says "timed out"

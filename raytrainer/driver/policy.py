@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from ..contract import Failure, Holdings, Status
 from ..errors import RaytrainerError, WorkerError
 
-__all__ = ["BUSY_SHARE", "Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Replacing",
-           "blame", "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
+__all__ = ["BUSY_SHARE", "Decision", "Failure", "FailurePolicy", "FailuresExceeded", "LEAVE_MARGIN_S", "Leave",
+           "Replacing", "SnapshotChoice", "StateChoice", "blame", "choose_snapshot", "choose_source", "choose_state", "draining_ranks", "keep_waiting_for_placement",
            "leave_draining_nodes", "poll_wait", "progressed", "replacing", "root_causes", "secure_at_once",
            "secure_where"]
 
@@ -152,16 +152,26 @@ def choose_source(statuses: dict[int, Status], avoid: Iterable[int] = ()) -> int
     return max(sorted(statuses), key=lambda r: (statuses[r].position, r not in avoid))
 
 
-def choose_state(holders: dict[int, Status], kept: Status | None,
-                 avoid: Iterable[int] = ()) -> tuple[int | None, bool]:
-    """Whose state a re-formed group continues from: (the survivor furthest ahead, or None
-    for none, and whether its state must be taken), given the survivors holding a state
-    and the position of the copy kept from an earlier attempt of this recovery, if any.
-    The kept copy serves when no survivor is further (its giver may be gone since)."""
+@dataclass(frozen=True)
+class StateChoice:
+    """Whose state a re-formed group continues from (policy.choose_state)."""
+
+    source: int | None
+    """The survivor furthest ahead whose state it is, or None for none (the kept copy's giver
+    may be gone)."""
+    take: bool
+    """Its state must be taken from it (False: the copy kept from an earlier attempt serves)."""
+
+
+def choose_state(holders: dict[int, Status], kept: Status | None, avoid: Iterable[int] = ()) -> StateChoice:
+    """Whose state a re-formed group continues from, given the survivors holding a state and
+    the position of the copy kept from an earlier attempt of this recovery, if any. The
+    kept copy serves when no survivor is further (its giver may be gone since)."""
     source = choose_source(holders, avoid) if holders else None
     if kept is not None and (source is None or kept.position >= holders[source].position):
-        return (source if source is not None and holders[source].position == kept.position else None), False
-    return source, source is not None
+        return StateChoice(source if source is not None and holders[source].position == kept.position else None,
+                           take=False)
+    return StateChoice(source, take=source is not None)
 
 
 def secure_at_once(*, leaving: bool, waited: bool, joiners: bool, holders: bool) -> bool:
@@ -207,20 +217,30 @@ def secure_where(holders: dict[int, Status], keep: Iterable[int], *, secured_bef
     return "copy" if copies_wanted else None
 
 
+@dataclass(frozen=True)
+class SnapshotChoice:
+    """The step of the peer snapshots a sharded group goes back to (policy.choose_snapshot)."""
+
+    step: int | None
+    """None: no snapshot serves, the run restarts from a checkpoint."""
+    why: str = ""
+    """Why none serves."""
+
+
 def choose_snapshot(world: int, lost: Iterable[int], held: dict[int, Holdings],
-                    secured: dict[int, int] | None = None) -> tuple[int | None, str]:
+                    secured: dict[int, int] | None = None) -> SnapshotChoice:
     """The step a sharded group of `world` ranks goes back to after losing the ranks `lost`:
     the newest step from which every rank's state can be had, from its own snapshot (a
     survivor's: `held`, survivor -> its holdings), from the copy its successor in the ring
     (rank + 1) holds, or from a copy the driver secured in an earlier attempt of this
-    recovery (`secured`: rank -> step). (None, why) when there is none: the run then
-    restarts from a checkpoint."""
+    recovery (`secured`: rank -> step). A step of None, with why, when there is none: the
+    run then restarts from a checkpoint."""
     lost, secured = set(lost), secured or {}
     # (A worker that never trained in a group, a replacement from an earlier attempt, holds
     # nothing and says world size 1.)
     other = next((h for h in held.values() if (h.own or h.peer) and h.world_size != world), None)
     if other is not None:
-        return None, f"the snapshots were taken at world size {other.world_size}, not {world}"
+        return SnapshotChoice(None, f"the snapshots were taken at world size {other.world_size}, not {world}")
     options = {}
     for rank in range(world):
         holder = (rank + 1) % world
@@ -231,13 +251,13 @@ def choose_snapshot(world: int, lost: Iterable[int], held: dict[int, Holdings],
             steps |= set(held[holder].peer)
         if not steps:
             both = rank in lost and holder in lost
-            return None, (f"rank {rank} was lost together with rank {holder}, which held the copy of its "
-                          "snapshot" if both else f"no snapshot of rank {rank}'s state is left")
+            return SnapshotChoice(None, f"rank {rank} was lost together with rank {holder}, which held the copy "
+                                        "of its snapshot" if both else f"no snapshot of rank {rank}'s state is left")
         options[rank] = steps
     common = set.intersection(*options.values())
     if not common:
-        return None, "no step has a snapshot of every rank's state left"
-    return max(common), ""
+        return SnapshotChoice(None, "no step has a snapshot of every rank's state left")
+    return SnapshotChoice(max(common))
 
 
 @dataclass(frozen=True)
@@ -337,9 +357,17 @@ def draining_ranks(draining: dict[str, float | None], nodes: list[str]) -> dict[
 LEAVE_MARGIN_S = 10.0
 
 
+@dataclass(frozen=True)
+class Leave:
+    """Whether the workers on draining nodes leave now, and why (policy.leave_draining_nodes)."""
+
+    now: bool
+    reason: str
+
+
 def leave_draining_nodes(*, leaving: int, ready: int, world: int, min_workers: int,
                          seconds_left: float | None, waited_s: float, replace_timeout_s: float,
-                         pause_s: float) -> tuple[bool, str]:
+                         pause_s: float) -> Leave:
     """Whether the workers on draining nodes leave now (pause at the next common step and
     re-form without them), and why. `leaving`: how many must go; `ready`: how many of their
     replacements (started on other nodes) are up; `seconds_left`: until the earliest
@@ -352,18 +380,19 @@ def leave_draining_nodes(*, leaving: int, ready: int, world: int, min_workers: i
     shrinks). If they do not, stay: training goes on until the node is gone, and its loss
     is recovered as a failure (leaving early would only stop training sooner)."""
     if leaving == 0:
-        return False, "no worker on a draining node"
+        return Leave(False, "no worker on a draining node")
     if ready >= leaving:
-        return True, f"{leaving} replacement(s) ready on other nodes"
+        return Leave(True, f"{leaving} replacement(s) ready on other nodes")
     urgent = seconds_left is not None and seconds_left <= pause_s + LEAVE_MARGIN_S
     if world - (leaving - ready) < min_workers:
-        return False, (f"only {world - leaving + ready} workers would remain, fewer than min_workers="
-                       f"{min_workers}: training goes on until the node is gone")
+        return Leave(False, f"only {world - leaving + ready} workers would remain, fewer than min_workers="
+                            f"{min_workers}: training goes on until the node is gone")
     if urgent:
-        return True, f"the deadline is {seconds_left:.0f} s away: leaving with {ready} of {leaving} replaced"
+        return Leave(True, f"the deadline is {seconds_left:.0f} s away: leaving with {ready} of {leaving} replaced")
     if waited_s >= replace_timeout_s:
-        return True, f"no room for {leaving - ready} replacement(s) within replace_timeout_s={replace_timeout_s:g}"
-    return False, "waiting for replacements"
+        return Leave(True, f"no room for {leaving - ready} replacement(s) within "
+                           f"replace_timeout_s={replace_timeout_s:g}")
+    return Leave(False, "waiting for replacements")
 
 
 def root_causes(failures: list[Failure]) -> list[Failure]:

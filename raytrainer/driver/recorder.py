@@ -1,4 +1,4 @@
-"""What the workers send the driver, on its way into the run's records (controller.Records):
+"""What the workers send the driver, on its way into the run's records (Records):
 metric rows, each recorded once (a worker that redoes steps after a recovery, replayed from
 a snapshot or a checkpoint, sends their rows again: the first ones stand), the driver
 callbacks at the boundaries the rows mark, and the workers' lifecycle events (a committed
@@ -8,12 +8,24 @@ how long the workers take to agree on a pause."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
+from ..callbacks import Callbacks, RunContext
 from ..errors import warn
+from .metrics import EventLog, MetricsHub
 
-if TYPE_CHECKING:
-    from .controller import Records
+
+@dataclass(kw_only=True)
+class Records:
+    """Where the controller writes what happens: metric rows (the hub: metrics.jsonl, the
+    loggers), lifecycle events, the progress line, and driver callbacks with their context."""
+
+    hub: MetricsHub
+    events: EventLog
+    progress: Any = None
+    callbacks: Callbacks = field(default_factory=lambda: Callbacks([]))
+    context: RunContext = field(default_factory=lambda: RunContext(run_dir=None, config=None))
 
 
 class Recorder:

@@ -11,26 +11,26 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..contract import Node, Reformed, WorkerGroup
 from ..errors import PlacementError
 from .metrics import EventLog
 from .policy import grow_now
 
-if TYPE_CHECKING:
-    from .controller import ControllerSettings
-
 
 class Resizing:
-    def __init__(self, group: WorkerGroup, events: EventLog, settings: ControllerSettings):
+    def __init__(self, group: WorkerGroup, events: EventLog, *, min_workers: int, size: int, max_workers: int,
+                 check_s: float, patience_s: float, placement_timeout_s: float):
+        """The run's bounds (scaling.min_workers, its size, max_workers); `check_s`: how often
+        to look for room (grow_check_s); `patience_s`: how long newcomers that are up wait for
+        those started with them (scaling.replace_timeout_s); `placement_timeout_s`: how long
+        the run may stay below min_workers (scaling.placement_timeout_s)."""
         self.group, self.events = group, events
-        self.min_workers = settings.min_workers
-        self.size = settings.size or settings.min_workers
-        self.max_workers = settings.max_workers or self.size
-        self.check_s = settings.grow_check_s
-        self.patience_s = settings.replace_timeout_s
-        self.placement_timeout_s = settings.placement_timeout_s
+        self.min_workers, self.size, self.max_workers = min_workers, size, max_workers
+        self.check_s = check_s
+        self.patience_s = patience_s
+        self.placement_timeout_s = placement_timeout_s
         self.checked_at = -math.inf  # due at once
         self._up_at: float | None = None  # since when newcomers are up, waiting for the rest
         self._short_since: float | None = None  # since when the run trains below min_workers

@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from ..errors import Stopped
-from . import _internals
+from ._internals import answers
 
 GRACE_S = 5.0
 """How long the way out may take before it is checked for a GCS that is gone."""
@@ -49,7 +49,7 @@ class StopExit:
 
     def _watch(self, stopped: Stopped) -> None:
         while not self._done.wait(self.grace_s):
-            if _internals.answers(self.gcs_address):
+            if answers(self.gcs_address):
                 continue
             try:
                 print(f"\nraytrainer: {stopped}", file=sys.stderr)

@@ -27,7 +27,7 @@ import ray
 
 from ...checkpoint import CheckpointRef
 from ...config import Config
-from ...contract import Failure, Formed, Node, Poll, Reformed, RunEnd, Status
+from ...contract import Failure, Formed, Node, Poll, ReformPlan, Reformed, RunEnd, Status
 from ..storage_check import check_shared_storage
 from . import actors, kept, orphans, reforming
 from .actors import Roster, control, gather, start_worker, worker_bundle
@@ -60,8 +60,7 @@ class RayWorkerGroup:
         self._drain_ref: Any = None  # rank 0's drain() call, while it has not answered
         self.pace = Pace()  # the steps of the group launched last: when spares start (spares.py)
         self._total_steps: int | None = None
-        # Replacements started by a re-form that failed before they were up (_starting_ranks).
-        self._starting: list[Any] = []
+        self.unwaited = reforming.Unwaited()  # replacements a failed re-form started, not waited for
 
     @property
     def actors(self) -> list[Any]:
@@ -180,7 +179,7 @@ class RayWorkerGroup:
         if keep and not self.slots.cluster_can_grow and actors.keepable(self.config, self.bundle):
             placed = len(self.roster.nodes)
             kept.keep([(a, n.node_id) for a, n in zip(self.roster.actors, self.roster.nodes)]
-                      + self.spares.let_go_up())
+                      + self.spares.let_go_up(), actors.alive_nodes)
             self.roster.actors = self.roster.actors[placed:]
         for actor in self.roster.actors:
             ray.kill(actor, no_restart=True)
@@ -189,7 +188,7 @@ class RayWorkerGroup:
         self.slots.shutdown()  # its newcomers, and every placement group
         self.copies.remove_all()
         self.forming.clear()
-        self._starting = []
+        self.unwaited.clear()
         self.roster.actors, self.roster.slots = [], []
         self._runs, self._pending, self._finished = [], [], {}
 
@@ -264,21 +263,11 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ re-forms (reforming.py)
 
-    def reform(self, dead: list[int], leave: list[int] = (), regrow: list[int] = ()) -> Reformed:
-        """Re-form the process group after a failure or a pause, from a survivor's state
-        (reforming.from_survivor)."""
-        return reforming.from_survivor(self, dead, leave, regrow)
-
-    def reform_from_peers(self, dead: list[int], regrow: list[int] = (), grow: bool = False,
-                          leave: list[int] = ()) -> Reformed:
-        """Sharded state: re-form the process group from the newest peer snapshots
+    def reform(self, plan: ReformPlan) -> Reformed:
+        """Re-form the process group after a failure or a pause, as `plan` says: from a
+        survivor's state (reforming.from_survivor) or from the newest peer snapshots
         (reforming.from_peers)."""
-        return reforming.from_peers(self, dead, regrow, grow, leave)
-
-    def _starting_ranks(self, dead: list[int]) -> list[int]:
-        """The ranks (not in `dead`) whose worker is a replacement that an earlier attempt
-        of this recovery started and that was not waited for yet (the attempt failed first):
-        a process still starting, importing torch, answers nothing and holds no state; it is
-        waited for like the new ones, not asked and taken for hung."""
-        return [r for r, actor in enumerate(self.roster.actors)
-                if r not in dead and any(actor is a for a in self._starting)]
+        dead, leave, regrow = list(plan.dead), list(plan.leave), list(plan.regrow)
+        if plan.state_from == "peers":
+            return reforming.from_peers(self, dead, regrow, plan.grow, leave)
+        return reforming.from_survivor(self, dead, leave, regrow)

@@ -77,8 +77,9 @@ class Forming:
         """The state to continue from: the furthest survivor's (not one of `avoid` among
         equals), put in the object store by that worker and kept there until the group has
         re-formed, else one secured earlier."""
-        source, take = choose_state(holders, self.secured[0] if self.secured else None, avoid=avoid)
-        if not take:
+        choice = choose_state(holders, self.secured[0] if self.secured else None, avoid=avoid)
+        source = choice.source
+        if not choice.take:
             if self.secured is None:
                 raise NoSurvivors("no worker survived")
             at, ref = self.secured

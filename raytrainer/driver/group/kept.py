@@ -21,11 +21,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
 from ...errors import ConfigError
+from .._internals import draining_nodes
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,10 @@ def _job() -> str:
     return ray.get_runtime_context().get_job_id() if ray.is_initialized() else ""
 
 
-def keep(actors_on: list[tuple[Any, str]]) -> None:
+def keep(actors_on: list[tuple[Any, str]], alive_nodes: Callable[[], set[str]]) -> None:
     """Release each (actor, node id) of a finished run and keep those fit for another;
-    kill the others. All released at once: one round trip, not one per actor."""
-    from .._internals import draining_nodes
-    from .actors import alive_nodes
-
+    kill the others. All released at once: one round trip, not one per actor.
+    `alive_nodes`: the ids of the nodes Ray holds alive (actors.alive_nodes)."""
     seconds = keep_s()
     if not seconds:
         for actor, _ in actors_on:

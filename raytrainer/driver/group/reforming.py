@@ -24,11 +24,32 @@ import ray
 from ...contract import CopiedState, Holdings, Node, ReformFailed, Reformed, Reshard, Snapshot, Status
 from ...errors import NoSurvivors, PlacementError
 from ..policy import choose_snapshot, choose_source, hand_over_by_copy, secure_at_once, secure_where
-from .actors import resources_text, start_worker
+from .actors import Roster, resources_text, start_worker
 from .slots import Joiner
 
 if TYPE_CHECKING:
     from . import RayWorkerGroup
+
+
+class Unwaited:
+    """The replacements an attempt of a recovery started (`_replace`) and did not wait for
+    (the attempt failed first): a process still starting, importing torch, answers nothing
+    and holds no state; the next attempt waits for it like a new one, not asking it and
+    taking it for hung."""
+
+    def __init__(self) -> None:
+        self.actors: list[Any] = []
+
+    def add(self, actor: Any) -> None:
+        self.actors.append(actor)
+
+    def ranks(self, roster: Roster, dead: list[int]) -> list[int]:
+        """The ranks (not in `dead`) whose worker is such a replacement."""
+        return [r for r, actor in enumerate(roster.actors) if r not in dead and any(actor is a for a in self.actors)]
+
+    def clear(self) -> None:
+        """Waited for (or the group shut down)."""
+        self.actors = []
 
 
 def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
@@ -48,7 +69,7 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
     (call again with its `dead`)."""
     scaling, roster = group.config.scaling, group.roster
     world = len(roster.actors)
-    starting = group._starting_ranks(dead)
+    starting = group.unwaited.ranks(roster, dead)
     leave = [r for r in leave if r not in dead and r not in starting]
     others = [r for r in range(world) if r not in dead and r not in starting]
     regrow = [r for r in regrow if r in dead] if others else []  # someone must go on
@@ -65,7 +86,7 @@ def from_survivor(group: RayWorkerGroup, dead: list[int], leave: list[int] = (),
     moved = _leave(group, leave)  # the state is secured: they go, for their replacements if up
     staying = len(others) - len(leave) + len(moved)
     placed = group.slots.wait_placed(roster, waited, staying + len(group.slots.ready_joiners(take=False)), asked)
-    group._starting = []
+    group.unwaited.clear()
     for rank in dead + starting:
         if rank not in placed:  # its slot stays reserved: it may join later
             ray.kill(roster.actors[rank], no_restart=True)
@@ -238,13 +259,13 @@ def from_peers(group: RayWorkerGroup, dead: list[int], regrow: list[int] = (), g
 def _same_size_from_peers(group: RayWorkerGroup, dead: list[int]) -> Reformed:
     roster = group.roster
     world = len(roster.actors)
-    lost = dead + group._starting_ranks(dead)  # a replacement not up yet holds nothing either
+    lost = dead + group.unwaited.ranks(roster, dead)  # a replacement not up yet holds nothing either
     asked = _replace(group, dead)
     others = [r for r in range(world) if r not in lost]
     step, held = _newest_snapshot(group, world, lost, others)
     loads, peers = group.forming.secure_copies(step, world, others, held)
     placed = group.slots.wait_placed(roster, lost, len(others), asked)
-    group._starting = []
+    group.unwaited.clear()
     missing = [r for r in lost if r not in placed]
     if missing:
         raise NoSurvivors(f"no replacement for rank(s) {missing} was placed within "
@@ -264,10 +285,10 @@ def _newest_snapshot(group: RayWorkerGroup, world: int, lost: list[int],
     (policy.choose_snapshot), and what the `others` hold; NoSurvivors where none serves."""
     held = group.forming.answers(others, "snapshots_held")
     secured = {rank: step for rank, (step, _) in group.forming.copies.items()}
-    step, why = choose_snapshot(world, lost, held, secured)
-    if step is None:
-        raise NoSurvivors(f"no peer snapshot serves: {why}")
-    return step, held
+    choice = choose_snapshot(world, lost, held, secured)
+    if choice.step is None:
+        raise NoSurvivors(f"no peer snapshot serves: {choice.why}")
+    return choice.step, held
 
 
 def _replace(group: RayWorkerGroup, dead: list[int], regrow: list[int] = ()) -> dict[int, Any]:
@@ -292,7 +313,7 @@ def _replace(group: RayWorkerGroup, dead: list[int], regrow: list[int] = ()) -> 
         roster.slots[rank] = group.slots.renew(roster.slots[rank])
         if rank not in regrow:
             roster.actors[rank] = start_worker(group.config, group.bundle, roster.slots[rank])
-            group._starting.append(roster.actors[rank])
+            group.unwaited.add(roster.actors[rank])
     # Replacements of the ranks left behind start once the group has formed (_restock),
     # the next spares once it has trained a step (RayWorkerGroup.poll), not now: starting a
     # process and importing torch took the cores the recovery needed (on 2 cores, it held
