@@ -103,10 +103,9 @@ def minimal_dashboard_agent() -> Iterator[None]:
     - A start on a loaded machine: the raylet waits for its agent to write each of its
       ports, 15 s a port (hard-coded: node_manager.cc, WaitForDashboardAgentPorts), then
       aborts ("Timed out waiting for file .../metrics_agent_port_..."), and the node's start
-      fails. The full agent imports grpc's and aiohttp's servers and starts them first. On
-      the 2-core VM (2026-11-30), 10 Rays started at once: all 10 raylets aborted so; with
-      minimal agents all 10 started. The kept local Ray's start failed ("timed out during
-      startup") in 2 of the 4 runs of the README's test command that day.
+      fails. The full agent imports grpc's and aiohttp's servers and starts them first,
+      which a loaded small machine does not do in time; minimal agents start in time
+      (docs/results/2026-11-30-kept-ray-start-dashboard-agent.md).
     - No fixed port: the full agent's HTTP server listens on 52365 (RayParams' default,
       which ray.init does not let a caller set), the port a user's `ray start --head` beside
       the kept Ray takes by default; with it taken, every `ray job submit` to that head
@@ -133,10 +132,8 @@ def agent_ports_given(start_raylet: Callable[..., Any]) -> Callable[..., Any]:
     session directory, then aborts (node_manager.cc, WaitForDashboardAgentPorts and
     WaitForRuntimeEnvAgentPort: hard-coded, RAY_agent_register_timeout_ms does not move
     them), and the node's start fails. A minimal dashboard agent, two Python processes
-    importing Ray on a loaded machine, missed that: 16 Rays started at once beside 6 busy
-    loops on the 2-core VM (2026-11-30), all 16 raylets aborted so; with this, all 16
-    started. In the README's test command under tests/slowday.sh, the kept local Ray's
-    start failed so twice in one run.
+    importing Ray on a loaded machine, missed that, and the node failed to start; with
+    this, it starts (docs/results/2026-11-30-kept-ray-start-dashboard-agent.md).
 
     - The minimal agent's three ports are written before the raylet starts, as the agent
       writes them once up: -1, "not served" (dashboard/agent.py). The raylet waits for a
@@ -222,9 +219,8 @@ def patient_node_start(seconds: float = NODE_START_S) -> Iterator[None]:
     ray.cluster_utils) gets `seconds` for its raylet to register with its GCS, not Ray's fixed
     30 s (ray._private.node.Node.__init__, raylet_start_wait_time_s, which nothing sets).
 
-    On the 2-core VM at a load of 10-18 the kept local Ray's start failed so ("The current
-    node timed out during startup"; the run then started a Ray of its own, which started),
-    twice in a row in the README's test command on 2026-11-30. A slow start is not a failed
+    On a loaded machine the kept local Ray's start failed so ("The current node timed out
+    during startup"; the run then started a Ray of its own). A slow start is not a failed
     one: Ray's loop asks services.get_node until the node is there, and each ask here waits
     on, as long as the node's raylet lives (a live process with `--node_id=<the node>` in its
     command line; not checked where there is no /proc), up to `seconds` from the first. A

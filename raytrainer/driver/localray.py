@@ -1,8 +1,8 @@
 """The local Ray that raytrainer starts: its settings, and keeping it up for the next run.
 
 A run given no Ray (no address, no RAY_ADDRESS, no Ray that `ray start` left on this
-machine) starts one here. Starting it is most of a run's start-up (7 of 10 s on a 2-core
-VM, against 1 s to connect to a running one), so by default the first run leaves it up
+machine) starts one here. Starting it is most of a run's start-up (several times the
+time to connect to a running one: docs/benchmarks.md), so by default the first run leaves it up
 and the next runs join it: a keeper process (`python -m raytrainer.driver.localray`, a
 session of its own) starts it and holds it, and stops it once no run has used it for
 RAYTRAINER_KEEP_RAY minutes (10), or at `raytrainer down`. RAYTRAINER_KEEP_RAY=0 starts

@@ -296,8 +296,8 @@ def replacing(lost: Iterable[int], *, spares_ready: Iterable[int], world: int, r
     that has built the training state ahead; none for GPU workers, which need their GPU at
     creation). `spares_up`: those a spare still building can take: taken only where the rank
     would be waited for, as the rest of a build is shorter than a process start and a build.
-    Where the survivors can go on, they go on rather than wait for it (at 2 GB of state on
-    the 2-core VM the rest of a spare's build at nice 19 took 1.5-2.1 s of the recovery)."""
+    Where the survivors can go on, they go on rather than wait for it (at 2 GB of state the
+    rest of a spare's build at nice 19 takes seconds: docs/results/2026-11-27-spare-still-building.md)."""
     lost = sorted(set(lost))
     spares = tuple(r for r in lost if r in set(spares_ready))
     rest = tuple(r for r in lost if r not in spares)

@@ -1,8 +1,7 @@
 """TensorBoard event files, written without tensorboardX or torch.
 
-tensorboardX imports torch, and the driver that imported it on its first row spent 1.5 to
-2 CPU-seconds doing so while the workers took their first steps on the same cores (a
-2-core VM, bench/cpu.py). The format is small: a TFRecord file (each record its length,
+tensorboardX imports torch, and a driver that imported it on its first row took CPU-seconds
+from the workers' first steps on the same cores (bench/cpu.py shows where the CPU goes). The format is small: a TFRecord file (each record its length,
 the length's masked CRC-32C, the data, the data's masked CRC-32C) of `Event` protocol
 buffers, the first naming the file version, then one per row with its scalars
 (tensorflow/core/util/event.proto, summary.proto). The fields are encoded here by hand.

@@ -49,8 +49,8 @@ class KeptCopies:
     def copy_now(self, actor: Any, node_id: str) -> Any:
         """A re-form leaves `actor` the state's only holder, with no worker taking the state
         from it: it writes its copy of the step it is at before the group forms, the second
-        copy in place of one in the object store. As long to write (fresh memory either way:
-        ~0.9 s for 2 GB on the 2-core VM), it leaves the object store's memory free, and its
+        copy in place of one in the object store. As long to write (fresh memory either way),
+        it leaves the object store's memory free, and its
         file is the first of the two its copies take turns in. Returns the call's reference:
         the step written, or None where there is no room for it."""
         self._hold(actor, node_id)  # a holder before it is gone: it is the only worker left

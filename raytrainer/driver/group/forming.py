@@ -291,7 +291,7 @@ class Forming:
         silent HOLDER_SILENT_S), for at most failure.collective_timeout_s (their rendezvous
         ends by then anyway). Killing one that is slow, not stuck, would lose its state: a
         holder late to the rendezvous was killed after the grace, and a 3-worker run that
-        lost two others close together started again from step 0 (CI, load 14). Returns the
+        lost two others close together started again from step 0. Returns the
         calls still pending."""
         start = time.monotonic()
         while time.monotonic() - start < self.config.failure.collective_timeout_s:

@@ -1,7 +1,7 @@
 """Worker processes kept from a finished run for the next run of this driver process.
 
-A short run's workers cost more to start than to train (worker/keeping.py: 5.5 of the 6.3
-CPU-s of a 16-step run of 2 workers on the 2-core VM went to starting their processes).
+A short run's workers cost more to start than to train (worker/process/keeping.py;
+docs/results/2026-11-29-kept-worker-processes.md).
 A run that finished hands its CPU workers' processes (and its spares') back here instead
 of killing them; the next run's workers and spares on the same node take them, each made
 a fresh Worker of that run (`renew`), before any new process is started. What a process

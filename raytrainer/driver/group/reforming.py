@@ -153,9 +153,8 @@ def _secure_early(group: RayWorkerGroup, holders: dict[int, Status], leave: list
     `takers` the ranks waited for (None: one with no spare up to take it). Where all of
     them, and the survivors behind, are on the node of the survivor that gives it
     (policy.hand_over_by_copy), that survivor writes its copy into the node's shared memory
-    and they read it there: 2 GB in 0.5 s on the 2-core VM, where its put into the object
-    store took 1.5 s (docs/benchmarks.md, "A spare takes the state from the survivor's
-    copy"). Else, or where the copy has no room, the object store (_take_state)."""
+    and they read it there, about three times faster than through a put into the object
+    store (docs/results/2026-11-27-spare-from-survivor-copy.md). Else, or where the copy has no room, the object store (_take_state)."""
     roster, forming = group.roster, group.forming
     if holders:
         source = choose_source(holders, leave)

@@ -269,8 +269,7 @@ class Slots:
         """Kill the newcomers and remove every placement group; on a Ray of one node started
         for the driver, then wait (a little) until Ray counts their room free again: the
         next run of this driver then reserves its slots at once, where a group asked for
-        before waits out Ray's retry (0.4-0.5 s on a Ray whose CPUs the run held; 0.03-0.1 s
-        to wait here, on the 2-core VM)."""
+        before waits out Ray's retry, which is longer than the wait here."""
         for _, actor, _ in self.joining:
             ray.kill(actor, no_restart=True)
         self.joining = []

@@ -16,11 +16,11 @@ recovery counts on one, it must answer again, within PING_S: a spare on a node l
 ago is gone with it while Ray still holds the node alive (for its health checks, ~15 s), and a
 recovery that took it failed and started over (2 s in a node-loss test). That answer also
 says whether it has built the task's training state ahead (worker/warm.py): one still building
-at nice 19 leaves the rest of its build in the recovery (1.5-2.1 s at 2 GB of state on the
-2-core VM, where the spare was always still building at the kill), so where the survivors can
+at nice 19 leaves the rest of its build in the recovery (seconds at 2 GB of state:
+docs/results/2026-11-27-spare-still-building.md), so where the survivors can
 go on without the lost rank (policy.replacing) only a built one is taken.
 
-A spare is up only a cold start after it is started (5 CPU-s on the 2-core VM, nearly all of it
+A spare is up only a cold start after it is started (CPU-seconds, nearly all of it
 importing torch), and it protects the run only from then on: where the run will have ended
 before a spare could be up for as long again (its remaining steps at the pace rank 0 reports,
 against the last cold start of this driver's workers), none is started cold. The process would
