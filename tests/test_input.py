@@ -17,8 +17,8 @@ import torch
 from raytrainer.config import DataConfig, TrainerConfig, load_config
 from raytrainer.data import BatchPlan, fetch
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.worker.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
-from raytrainer.worker.loop import Loop, LoopSettings
+from raytrainer.worker.input.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
+from raytrainer.worker.loop.loop import Loop, LoopSettings
 
 from .conftest import assert_no_loader_processes
 from .ray_procs import SESSION_TAG, live_processes, short_temp_dir
@@ -171,7 +171,7 @@ def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_f
     monkeypatch.setenv(SESSION_TAG, uuid.uuid4().hex)  # this test's processes apart from any other's
     script = ("import torch\n"
               "from raytrainer.config import DataConfig, TrainerConfig\n"
-              "from raytrainer.worker.loop import Loop, LoopSettings\n"
+              "from raytrainer.worker.loop.loop import Loop, LoopSettings\n"
               "from tests.tasks import RegressionTask\n"
               "if __name__ == '__main__':\n"
               "    cfg = LoopSettings(trainer=TrainerConfig(max_steps=100000, global_batch_size=16, micro_batch_size=8),\n"
@@ -188,7 +188,7 @@ def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_f
 
     try:
         deadline = Deadline(120)
-        while len([c for _, c in others() if b"raytrainer.worker.input" in c]) < 3:  # the fork server, 2 loaders
+        while len([c for _, c in others() if b"raytrainer.worker.input.input" in c]) < 3:  # the fork server, 2 loaders
             assert worker.poll() is None, errors.read_text()
             assert not deadline.passed(), f"no loader processes started: {others()}"
             time.sleep(0.1)

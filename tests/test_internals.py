@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from raytrainer.driver import _internals as driver_internals
 from raytrainer.worker import _internals
-from raytrainer.worker.actor import _peer_failure
+from raytrainer.worker.process.actor import _peer_failure
 
 from .ray_procs import free_ports
 from .waits import wait_until

@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], chunk: int, ro
     import torch.distributed as dist
 
     from ..config import TrainerConfig
-    from ..worker.loop import Loop, LoopSettings, Outlets
+    from ..worker.loop.loop import Loop, LoopSettings, Outlets
     from .job import BenchTask, build_mlp, make_data, make_optimizer, rank_batch, sgd_step
 
     torch.set_num_threads(1)

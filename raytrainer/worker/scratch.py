@@ -19,7 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .control import running
+from .process.control import running
 
 ROOT = "raytrainer-scratch"
 
