@@ -1,5 +1,5 @@
 """Per-step metrics under DDP on two local Gloo processes (no Ray): each step's metrics
-ride on its gradient all-reduce (window.Carrier), and give what a collective of their own
+ride on its gradient all-reduce (state/carrier.py: Carrier), and give what a collective of their own
 gave, without touching the gradients."""
 
 import time

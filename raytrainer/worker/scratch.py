@@ -8,7 +8,7 @@ folder removes every folder whose process is gone (a replacement, the next run's
 A Trainer's checkpoints left by each kill (a real model's, each the size of its state) would
 otherwise fill the node's temp disk run after run.
 
-A worker's multiprocessing sockets (its loader processes' fork server, input.loader_context)
+A worker's multiprocessing sockets (its loader processes' fork server, loaders.loader_context)
 are made in such a folder too, for the same reason."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .process.control import running
+from .pids import running
 
 ROOT = "raytrainer-scratch"
 

@@ -52,8 +52,9 @@ from ...config import DataConfig
 from ...data import BatchPlan, fetch, val_shard
 from ...errors import ConfigError, TaskError
 from ...task import import_object
-from .. import _internals, scratch
-from ..process.control import running
+from .. import _internals
+from ..loaders import loader_context
+from ..pids import running
 
 STREAM_SIZE = sys.maxsize // 4
 """What a stream counts as its length in the BatchPlan: its epoch never ends."""
@@ -117,23 +118,6 @@ def build_train_input(dataset: Any, cfg: DataConfig, *, max_epochs: int | None, 
 
 
 # --------------------------------------------------------------------------- loader processes
-
-def loader_context():
-    """See the module doc: forkserver (torch preloaded) where the platform has it. Its
-    sockets go in a scratch folder of this process's (scratch.py), which the next worker on
-    the node removes if this one is killed, rather than in a folder of multiprocessing's
-    own, which only a normal exit removes (_internals.use_multiprocessing_folder)."""
-    import multiprocessing
-
-    _internals.use_multiprocessing_folder(scratch.make)
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    # The main module too (a Ray worker script; guarded like any multiprocessing main), once
-    # in the server rather than in every loader process.
-    ctx.set_forkserver_preload(["__main__", "torch", "raytrainer.worker.input.input"])
-    return ctx
-
 
 def _init_loader_process(worker: int, worker_id: int) -> None:
     """In each loader process: die with its parent (the fork server; Linux) and with the

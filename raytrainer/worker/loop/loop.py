@@ -65,7 +65,7 @@ from .validation import AsyncValidation
 from .nonfinite import NonFiniteSteps
 from .rollback import LossSpikes, rollbacks
 from .outputs import StepOutputs
-from ..process.warm import Prebuilt, train_state
+from ..state.state import Prebuilt, train_state
 from .window import MetricsWindow, Report
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.

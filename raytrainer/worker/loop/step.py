@@ -22,7 +22,7 @@ from .rollback import agreed_loss, roll_back
 
 if TYPE_CHECKING:
     from .loop import Loop
-    from .window import Carrier
+    from ..state.carrier import Carrier
 
 _NO_PHASE = contextlib.nullcontext()
 
@@ -31,7 +31,7 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
     """Run this rank's micro-batches of the step and return their metrics, weighted like the
     loss (this rank's share of the global batch). Where the strategy has a carrier, the
     metrics, the pause flag and the save ask ride on the gradient all-reduce."""
-    started = time.perf_counter()  # this rank's compute time runs from here (window.Carrier)
+    started = time.perf_counter()  # this rank's compute time runs from here (state/carrier.py)
     sizes = loop.plan.micro_batch_sizes(loop.rank)
     batches = loop.train_input.batches(loop.epoch, loop.position, loop.step)
     last = len(sizes) - 1

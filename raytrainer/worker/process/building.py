@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ...config import Config
     from .actor import Worker
     from ..loop.loop import Outlets
-    from .warm import Prebuilt
+    from ..state.state import Prebuilt
 
 
 def outlets(worker: Worker) -> Outlets:

@@ -15,6 +15,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from ...contract import Status
+from ..pids import running
 
 if TYPE_CHECKING:
     from .actor import Worker
@@ -65,26 +66,6 @@ def kill(pid: int) -> bool:
     except ProcessLookupError:
         pass
     return there
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` runs on this machine, stopped (SIGSTOP) or not; a zombie (killed,
-    not yet reaped by its parent) does not."""
-    import os
-    from pathlib import Path
-
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        if os.path.isdir("/proc/self"):
-            return False
-    try:  # no /proc (macOS): whether a signal could reach it
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process
-    return True
 
 
 class Outbox:

@@ -20,26 +20,13 @@ that needs the process group to build) is left to setup, where its error is repo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ...config import Config
-    from ..state.state import TrainState
+    from ..state.state import Prebuilt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prebuilt:
-    """The task, and the training state built from it at `most_world_size` (whether
-    BatchNorm is converted for a group depends on it), of `nbytes` (weights and optimizer
-    state)."""
-
-    task: Any
-    train: TrainState
-    most_world_size: int
-    nbytes: int
 
 
 def prebuild(config: Config) -> Prebuilt | None:
@@ -55,7 +42,7 @@ def prebuild(config: Config) -> Prebuilt | None:
     from ..dist import use_worker_cpus
     from ..loop.loop import LoopSettings
     from ..loop.sizing import Sizing
-    from ..state.state import TrainState
+    from ..state.state import Prebuilt, TrainState
     from ..state.strategy import build_strategy
 
     try:
@@ -112,18 +99,6 @@ def _hold_optimizer_state(optimizer: Any) -> None:
         optimizer.step()
     finally:
         optimizer.zero_grad(set_to_none=True)
-
-
-def train_state(prebuilt: Prebuilt | None, task: Any, cfg: Any, strategy: Any, device: Any,
-                most_world_size: int) -> TrainState:
-    """A loop's training state: `prebuilt`'s, where it was built for this run's largest
-    world size (adopt chose it), else built now."""
-    from ..state.state import TrainState
-
-    if prebuilt is not None and prebuilt.most_world_size == most_world_size:
-        prebuilt.train.strategy = strategy
-        return prebuilt.train
-    return TrainState.build(task, cfg, strategy, device)
 
 
 def adopt(prebuilt: Prebuilt | None, resume: Any, device: Any) -> Prebuilt | None:

@@ -97,3 +97,25 @@ class TrainState:
             fresh.load_state_dict(self.scaler.state_dict())
             self.scaler = fresh
         self.module.train()
+
+
+@dataclass
+class Prebuilt:
+    """A Task's training state built ahead (process/warm.py): the task, and the training
+    state built from it at `most_world_size` (whether BatchNorm is converted for a group
+    depends on it), of `nbytes` (weights and optimizer state)."""
+
+    task: Any
+    train: TrainState
+    most_world_size: int
+    nbytes: int
+
+
+def train_state(prebuilt: Prebuilt | None, task: Any, cfg: Any, strategy: Any, device: Any,
+                most_world_size: int) -> TrainState:
+    """A loop's training state: `prebuilt`'s, where it was built for this run's largest
+    world size (process/warm.py's adopt chose it), else built now."""
+    if prebuilt is not None and prebuilt.most_world_size == most_world_size:
+        prebuilt.train.strategy = strategy
+        return prebuilt.train
+    return TrainState.build(task, cfg, strategy, device)

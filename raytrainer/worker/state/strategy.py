@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...config import TrainerConfig
 from .. import _internals
 from .syncbn import convert_sync_batchnorm
-from ..loop.window import Carrier
+from .carrier import Carrier
 
 
 class Strategy(Protocol):
@@ -33,7 +33,7 @@ class Strategy(Protocol):
     """Every rank holds the whole state (a survivor's state is everybody's)."""
     carrier: Carrier | None
     """Set by wrap where the step's gradient reduction also carries the step's metrics
-    (window.Carrier); None: the metrics window reduces them with a collective of its own."""
+    (carrier.Carrier); None: the metrics window reduces them with a collective of its own."""
 
     def prepare(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The module to build the optimizer over: converted, on its device, sharded."""

@@ -210,7 +210,7 @@ class ProcessWriter:
         self._conn = self._proc = None
 
     def _start(self) -> None:
-        from ..input.input import loader_context
+        from ..loaders import loader_context
 
         ctx = loader_context()
         mine, theirs = ctx.Pipe()
