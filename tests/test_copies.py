@@ -130,9 +130,9 @@ def test_a_worker_given_the_survivors_copy_loads_the_step_it_was_written_for():
     copy = copies.StateCopy(name)
     try:
         copy.take(12, lambda: state)
-        assert_same_state(state, unpack(resolve(CopiedState(name, 12), worker=None)))
+        assert_same_state(state, unpack(resolve(CopiedState(name, 12), own_snapshot=None)))
         with pytest.raises(RuntimeError, match=f"{name}, holds step 12, not 13"):
-            resolve(CopiedState(name, 13), worker=None)
+            resolve(CopiedState(name, 13), own_snapshot=None)
     finally:
         copy.remove()
 

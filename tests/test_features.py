@@ -8,7 +8,8 @@ import torch
 from raytrainer.config import EarlyStoppingConfig, LRScheduleConfig, TrainerConfig
 from raytrainer.data import BatchPlan
 from raytrainer.errors import ConfigError, NonFiniteLoss
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 from raytrainer.worker.loop.schedule import lr_multiplier
 
 from .tasks import FeatureTask, RegressionTask

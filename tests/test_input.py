@@ -18,7 +18,8 @@ from raytrainer.config import DataConfig, TrainerConfig, load_config
 from raytrainer.data import BatchPlan, fetch
 from raytrainer.errors import ConfigError, TaskError
 from raytrainer.worker.input.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
-from raytrainer.worker.loop.loop import Loop, LoopSettings
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings
 
 from .conftest import assert_no_loader_processes
 from .ray_procs import SESSION_TAG, live_processes, short_temp_dir
@@ -171,7 +172,8 @@ def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_f
     monkeypatch.setenv(SESSION_TAG, uuid.uuid4().hex)  # this test's processes apart from any other's
     script = ("import torch\n"
               "from raytrainer.config import DataConfig, TrainerConfig\n"
-              "from raytrainer.worker.loop.loop import Loop, LoopSettings\n"
+              "from raytrainer.worker.loop.loop import Loop\n"
+              "from raytrainer.worker.loop.settings import LoopSettings\n"
               "from tests.tasks import RegressionTask\n"
               "if __name__ == '__main__':\n"
               "    cfg = LoopSettings(trainer=TrainerConfig(max_steps=100000, global_batch_size=16, micro_batch_size=8),\n"

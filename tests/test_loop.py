@@ -7,7 +7,8 @@ import torch
 
 from raytrainer.config import TrainerConfig
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 
 from .tasks import RegressionTask
 

@@ -10,7 +10,8 @@ import torch
 
 from raytrainer.config import TrainerConfig
 from raytrainer.contract import Reshard
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 from raytrainer.worker.state.reshard import reshard
 from raytrainer.worker.state.snapshot import PeerSnapshots
 

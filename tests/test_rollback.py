@@ -6,7 +6,8 @@ import torch
 
 from raytrainer.config import LRScheduleConfig, TrainerConfig
 from raytrainer.errors import ConfigError, NonFiniteLoss
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 from raytrainer.worker.state.snapshot import PeerSnapshots
 
 from .tasks import SpikedRecordTask

@@ -10,7 +10,8 @@ from raytrainer.config import FailureConfig, TrainerConfig
 from raytrainer.config.failure import AUTO_FIRST, AUTO_MOST, auto_interval
 from raytrainer.contract import Holdings
 from raytrainer.errors import ConfigError
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 from raytrainer.driver.policy import choose_snapshot
 from raytrainer.worker.state import snapshot as snapshot_module
 from raytrainer.worker.state.snapshot import PeerSnapshots, check_memory

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from raytrainer.config import TrainerConfig
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from raytrainer.config import TrainerConfig
 from raytrainer.contract import COMPUTE_KEY
-from raytrainer.worker.loop.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 from raytrainer.worker.state.strategy import DDP
 
 from .dist_procs import run_ranks

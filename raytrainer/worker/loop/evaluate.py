@@ -20,11 +20,11 @@ from ...data import batch_size_of, to_device
 from ..dist import all_reduce_sum
 
 if TYPE_CHECKING:
-    from .loop import Loop
+    from .face import LoopFace
 
 
 @torch.no_grad()
-def validate_here(loop: Loop, epoch: int) -> dict[str, float] | None:
+def validate_here(loop: LoopFace, epoch: int) -> dict[str, float] | None:
     if loop.validation is not None and loop.validation.takes(epoch):
         return None  # asked of the validation actors; training goes on
     loop.flush(wait=True)
@@ -34,13 +34,13 @@ def validate_here(loop: Loop, epoch: int) -> dict[str, float] | None:
         metrics = evaluate(loop, model)
     loop.latest_metrics.update(metrics)
     loop.stop_reason = loop.stopping.check(metrics) or loop.stop_reason
-    loop.window.report([loop._row(loop.step, epoch, metrics)])
+    loop.window.report([loop.row(loop.step, epoch, metrics)])
     loop.callbacks("on_validation_end", loop, metrics)
-    loop._last_time = time.perf_counter()  # validation time is not training throughput
+    loop.last_time = time.perf_counter()  # validation time is not training throughput
     return metrics
 
 
-def evaluate(loop: Loop, model: torch.nn.Module) -> dict[str, float]:
+def evaluate(loop: LoopFace, model: torch.nn.Module) -> dict[str, float]:
     """The validation metrics of `model`, reduced over ranks."""
     model.eval()
     total, count, done = None, 0, 0
@@ -50,13 +50,13 @@ def evaluate(loop: Loop, model: torch.nn.Module) -> dict[str, float]:
     batches = loop.val_input.batches(loop.rank, loop.world_size, loop.plan.micro_batch_size, limit)
     batch = None
     while True:
-        with loop._in_user_code():
+        with loop.in_user_code():
             last, batch = batch, next(batches, None)
             if batch is None and (rounds is None or done >= rounds or last is None):
                 break
             counted = batch is not None
             batch = to_device(batch, loop.device) if counted else last
-            with loop._autocast():
+            with loop.autocast():
                 out = loop.task.val_step(model, batch)
         done += 1
         loop.progress += 1
@@ -67,7 +67,7 @@ def evaluate(loop: Loop, model: torch.nn.Module) -> dict[str, float]:
         total = values if total is None else total + values
         count += n
     model.train()
-    with loop._phase("collective"):
+    with loop.in_phase("collective"):
         sums = all_reduce_sum(torch.cat([total, torch.tensor([count], dtype=total.dtype, device=total.device)]))
     means = (sums[:-1] / sums[-1]).tolist()
     return {f"val_{k}": v for k, v in zip(loop.outputs.keys["val"], means)}

@@ -29,7 +29,7 @@ from ..state.state import TrainState
 from ..state.strategy import Strategy
 
 if TYPE_CHECKING:
-    from .loop import Loop
+    from .face import LoopFace
 
 
 def starting_state(state: dict[str, Any] | str | Snapshot | Reshard | None, strategy: Strategy,
@@ -65,20 +65,20 @@ def check_resumable(saved: dict[str, Any], cfg: TrainerConfig) -> None:
         )
 
 
-def where(loop: Loop, rows: bool) -> dict[str, Any]:
+def where(loop: LoopFace, rows: bool) -> dict[str, Any]:
     """The loop's own part of the state: where it is in the run (the step, the epoch and
     the data position, what early stopping and the non-finite steps counted, whether the
     step's after-work is pending), with the recent metric rows where `rows`."""
     return {"step": loop.step, "epoch": loop.epoch, "position": loop.position,
             "skipped_steps": loop.skipped_steps, "nonfinite_skips": loop.nonfinite.skips,
             "best": loop.stopping.best, "bad_validations": loop.stopping.bad_validations,
-            "after_pending": loop._after_pending, "stop_reason": loop.stop_reason,
+            "after_pending": loop.after_pending, "stop_reason": loop.stop_reason,
             "global_batch_size": loop.cfg.global_batch_size, "world_size": loop.world_size,
             "recent_losses": list(loop.spikes.recent),
             "rows": [r for r in loop.window.recent if r["step"] <= loop.step] if rows else []}
 
 
-def go_back(loop: Loop, saved: dict[str, Any]) -> None:
+def go_back(loop: LoopFace, saved: dict[str, Any]) -> None:
     """Put the loop where `saved` (where()) says, at the same global sample index whatever
     the world size now is."""
     loop.step, loop.skipped_steps = saved["step"], saved["skipped_steps"]
@@ -87,10 +87,10 @@ def go_back(loop: Loop, saved: dict[str, Any]) -> None:
     if "position" in saved:
         loop.epoch, loop.position = saved["epoch"], saved["position"]
     else:  # written before the position was saved: always a fixed global batch then
-        loop.epoch, in_epoch = divmod(loop.step, loop._plan(loop.base_world_size).steps_per_epoch)
+        loop.epoch, in_epoch = divmod(loop.step, loop.plan_for(loop.base_world_size).steps_per_epoch)
         loop.position = in_epoch * loop.cfg.global_batch_size
     loop.stopping.best, loop.stopping.bad_validations = saved["best"], saved["bad_validations"]
-    loop._after_pending, loop.stop_reason = saved["after_pending"], saved["stop_reason"]
+    loop.after_pending, loop.stop_reason = saved["after_pending"], saved["stop_reason"]
     loop.saver.saved_step = loop.step
     loop.window.recent.clear()
     loop.window.recent.extend(saved.get("rows", ()))
@@ -108,7 +108,7 @@ def bind_snapshots(snapshots: PeerSnapshots | None, strategy: Strategy, train: T
     return snapshots
 
 
-def checkpoint_saver(loop: Loop, checkpoints: Checkpoints | None, cfg: CheckpointConfig) -> CheckpointSaver:
+def checkpoint_saver(loop: LoopFace, checkpoints: Checkpoints | None, cfg: CheckpointConfig) -> CheckpointSaver:
     """The loop's saver. A commit goes to the driver's log, the async validation (which ranks
     it for keep_best once its metrics arrive) and the callbacks; a failed save to the log."""
 
@@ -128,7 +128,7 @@ def checkpoint_saver(loop: Loop, checkpoints: Checkpoints | None, cfg: Checkpoin
                            on_failure=failed)
 
 
-def leave(loop: Loop) -> dict[str, torch.Tensor] | None:
+def leave(loop: LoopFace) -> dict[str, torch.Tensor] | None:
     """What a fit that stopped leaves behind. Paused for a resize (regroup(), then fit()
     again): nothing where the state is replicated (a survivor gives it), else what the next
     group re-shards; None. At the end of the run: the final checkpoint, and the final weights
@@ -153,7 +153,7 @@ def leave(loop: Loop) -> dict[str, torch.Tensor] | None:
         return loop.strategy.full_weights(final)
 
 
-def save_model(loop: Loop, run: RunConfig, weights: dict[str, Any]) -> str:
+def save_model(loop: LoopFace, run: RunConfig, weights: dict[str, Any]) -> str:
     """Write the final weights to <run.storage>/<run.name>/model.pt, whole or not at all;
     return where (the driver hands that path to its loggers, never the bytes)."""
     storage = Storage(run.storage)

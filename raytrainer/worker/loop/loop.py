@@ -40,23 +40,20 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from ...callbacks import Callbacks
 from .chaos import Chaos
+from .phase import InPhase
+from .settings import LoopSettings, Outlets
 from .compiling import compile_report, compiled, graph_count
-from ...checkpoint import Checkpoints
-from ...config import ChaosFault, CheckpointConfig, Config, DataConfig, TaskConfig, TrainerConfig
 from ...contract import Reshard, Snapshot
 from ...data import BatchPlan
 from ..input.input import ValInput, build_train_input, collate_of
 from .evaluate import validate_here
 from .handover import bind_snapshots, check_resumable, checkpoint_saver, go_back, leave, starting_state, where
 from .sizing import Sizing, build_scheduler
-from ..state.snapshot import PeerSnapshots
 from .step import accumulate, finite, step_row, update
 from .stopping import EarlyStopping
 from ..state.strategy import build_strategy
@@ -71,50 +68,6 @@ from .window import MetricsWindow, Report
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU when the config gives none.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
               "A10": 125e12, "V100": 125e12}
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoopSettings:
-    """What the config tells a rank's loop, beyond the trainer section."""
-
-    trainer: TrainerConfig
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    chaos: tuple[ChaosFault, ...] = ()
-    base_world_size: int | None = None
-    """scaling.num_workers: the world size global_batch_size and the LR are given for (what
-    the per_worker batch policy scales from); default the world size."""
-    max_world_size: int | None = None
-    """scaling.max_workers: what an elastic run may grow to."""
-    min_world_size: int | None = None
-    """scaling.size: below it (while a lost worker's replacement starts, or waits for room)
-    a worker's micro-batch stays what it is at that size, and it accumulates more of them."""
-    task: TaskConfig | None = None
-    """How validation actors build the task (trainer.validation.async); None: sync only."""
-    snapshot_every_n_steps: int | str = "auto"
-    """failure.snapshot_every_n_steps: also how often trainer.nonfinite=rollback keeps a state."""
-
-    @classmethod
-    def of(cls, config: Config) -> LoopSettings:
-        return cls(trainer=config.trainer, data=config.data, checkpoint=config.checkpoint,
-                   chaos=tuple(config.failure.chaos), base_world_size=config.scaling.num_workers,
-                   max_world_size=config.scaling.max_workers, min_world_size=config.scaling.size,
-                   task=config.task, snapshot_every_n_steps=config.failure.snapshot_every_n_steps)
-
-
-@dataclass(kw_only=True)
-class Outlets:
-    """What the loop sends out, and asks of the process it runs in (the worker actor; tests
-    give lists): rank 0's metric rows (`report`), lifecycle events for the driver's log
-    (`notify`), worker callbacks, the run's checkpoints, the once-per-run claim of a chaos
-    fault, and the peer snapshots kept across groups (sharded state)."""
-
-    report: Report = field(default=lambda rows: None)
-    notify: Callable[[dict[str, Any]], None] = field(default=lambda event: None)
-    callbacks: Callbacks = field(default_factory=lambda: Callbacks([]))
-    checkpoints: Checkpoints | None = None
-    chaos_claim: Callable[[int, int], bool] | None = None
-    snapshots: PeerSnapshots | None = None
 
 
 class Loop:
@@ -153,7 +106,7 @@ class Loop:
         self.position = 0  # samples of this epoch's order consumed: the data position
         self.progress = 0  # micro-batches and validation batches done: the driver's hang check
         self.phase = "framework"  # or "user": in the task's code (or the data), not in ours
-        self._after_pending = False  # the work after self.step (validation, ...) is not done
+        self.after_pending = False  # the work after self.step (validation, ...) is not done
         self.skipped_steps = 0
         self.nonfinite = NonFiniteSteps(cfg.nonfinite, cfg.nonfinite_max_skips, self.notify)
         self.spikes = LossSpikes(cfg.spike_factor)  # part of the state: every rank judges alike
@@ -162,7 +115,7 @@ class Loop:
         self.chaos = Chaos(list(settings.chaos), cfg.seed, self.notify, outlets.chaos_claim)
         self._step_seconds = 0.0  # the last step's duration: where a random moment falls
         self._started = False
-        self.window = MetricsWindow(self._report if rank == 0 else _drop, lambda: self._phase("collective"))
+        self.window = MetricsWindow(self._report if rank == 0 else _drop, lambda: self.in_phase("collective"))
         self.latest_metrics = self.window.latest  # what keep_best ranks checkpoints by
         self.outputs = StepOutputs(task, device)  # what train_step and val_step return
         self.saver = checkpoint_saver(self, outlets.checkpoints, settings.checkpoint)
@@ -181,7 +134,7 @@ class Loop:
         self._graphs_at_join = graph_count() if cfg.compile is not None else 0
         self.snapshots = bind_snapshots(outlets.snapshots, self.strategy, self.train, rank=rank, world_size=world_size)
         self.rollbacks = rollbacks(cfg, settings.snapshot_every_n_steps, self.snapshots, self.train_input, self.step)
-        self._last_time = time.perf_counter()
+        self.last_time = time.perf_counter()
         self._save_asked = False  # rank 0 asked its peers for a checkpoint (every_n_minutes)
         self.pause_requested = False  # set by the driver's thread: pause at a common step
         self._pause_agreed = False  # some rank asked, and every rank knows it at this step
@@ -209,12 +162,12 @@ class Loop:
             self._started = True
             self.callbacks("on_run_start", self)
         self.model.train()
-        self._last_time = time.perf_counter()  # set-up time is not training throughput
+        self.last_time = time.perf_counter()  # set-up time is not training throughput
         if self.rank == 0 and self.window.recent:  # a recovery's new rank 0: the rows the lost one may have held
             self.window.sink([r for r in self.window.recent if r["step"] <= self.step])
         while True:
-            if self._after_pending:
-                self._after_step()
+            if self.after_pending:
+                self.after_step()
             if self._done() or self.stop_reason is not None:
                 break
             if self._pause_agreed:
@@ -246,7 +199,7 @@ class Loop:
         return ((self.max_steps is not None and self.step >= self.max_steps)
                 or (self.max_epochs is not None and self.epoch >= self.max_epochs))
 
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
         """Validation, logging, epoch end and checkpoint after step `self.step`. The epoch
         moves on last: until then the work is pending, and redone the same way on resume."""
         if self._compile_unreported:
@@ -269,13 +222,13 @@ class Loop:
             self._save_asked = False
         if epoch_end:
             self.epoch, self.position = self.epoch + 1, 0
-        self._after_pending = False
+        self.after_pending = False
 
     def _report_compile(self) -> None:
         """The `compiled` event after the first compiled step in this group: every rank's
         graph count and cache hits, gathered to rank 0 (the driver hears rank 0 only)."""
         self._compile_unreported = False
-        with self._phase("collective"):
+        with self.in_phase("collective"):
             event = compile_report(self.step, self._step_seconds, self.device, self.world_size, self._graphs_at_join)
         if self.rank == 0:
             self.notify(event)
@@ -317,11 +270,11 @@ class Loop:
         optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.position += self.plan.global_batch_size
-        self._after_pending = True
+        self.after_pending = True
         self._step_seconds = time.perf_counter() - started
         self.window.add(step_row(self, lr, scaler), total, carried)
         if self.chaos.due:
-            with self._in_user_code():
+            with self.in_user_code():
                 self.chaos.act(self.step, self.rank)
 
     def validate(self, epoch: int) -> dict[str, float] | None:
@@ -332,7 +285,7 @@ class Loop:
     def flush(self, wait: bool = False) -> None:
         """Reduce the buffered steps' metrics over ranks and report them (see window.py)."""
         # Carried steps sent their ask with their gradients (train_step); a window sends it here.
-        ask = self.strategy.carrier is None and self._save_wanted()
+        ask = self.strategy.carrier is None and self.save_wanted()
         self._pause_agreed |= self.window.flush(self._row_keys(), self.world_size, pause_requested=self.pause_requested,
                                                 wait=wait, save_requested=ask)
 
@@ -370,7 +323,7 @@ class Loop:
     def checkpoint_state(self) -> dict[str, Any]:
         return self.state_dict(rows=False)
 
-    def _save_wanted(self) -> bool:
+    def save_wanted(self) -> bool:
         """Rank 0 asks for a checkpoint when checkpoint.every_n_minutes has passed on its
         clock; the ask rides the metrics' reduction, so every rank saves at the same step."""
         if self.rank != 0 or self._save_asked or self.cfg.fast_dev_run or not self.saver.time_due():
@@ -398,7 +351,7 @@ class Loop:
         self.rank, self.world_size = rank, world_size
         self.window.sink = (report_to or self._report) if rank == 0 else _drop
         self.saver.rank = rank
-        self.plan = self._plan()
+        self.plan = self.plan_for()
         self.train_input.regroup(self.plan, rank, self.step)
         if self.rollbacks is not None:  # a replacement keeps none yet: no rank goes back past here
             self.rollbacks.kept.reset(self.step)
@@ -420,7 +373,7 @@ class Loop:
 
     # ------------------------------------------------------------------ helpers
 
-    def _plan(self, world_size: int | None = None) -> BatchPlan:
+    def plan_for(self, world_size: int | None = None) -> BatchPlan:
         return self.sizing.plan(self.train_data, world_size or self.world_size)
 
     @property
@@ -428,36 +381,20 @@ class Loop:
         """What the per_worker policy multiplies every LR by: the linear scaling rule."""
         return self.world_size / self.base_world_size if self.cfg.batch_policy == "per_worker" else 1.0
 
-    def _phase(self, phase: str) -> _Phase:
+    def in_phase(self, phase: str) -> InPhase:
         """Where this rank is, for the driver's hang check (see Worker.status)."""
-        return _Phase(self, phase)
+        return InPhase(self, phase)
 
-    def _in_user_code(self) -> _Phase:
-        return _Phase(self, "user")
+    def in_user_code(self) -> InPhase:
+        return InPhase(self, "user")
 
-    def _autocast(self):
+    def autocast(self):
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _row(self, step: int, epoch: int, metrics: dict[str, float]) -> dict[str, Any]:
+    def row(self, step: int, epoch: int, metrics: dict[str, float]) -> dict[str, Any]:
         return {"step": step, "epoch": epoch, "world_size": self.world_size, "time": time.time(), **metrics}
-
-
-class _Phase:
-    """`with loop._phase(p)`: the loop's phase is `p` inside, the outer one again after.
-    A class, not a generator: two of them run in every step."""
-
-    __slots__ = ("loop", "phase", "outer")
-
-    def __init__(self, loop: Any, phase: str):
-        self.loop, self.phase = loop, phase
-
-    def __enter__(self) -> None:
-        self.outer, self.loop.phase = self.loop.phase, self.phase
-
-    def __exit__(self, *exc: Any) -> None:
-        self.loop.phase = self.outer
 
 
 def _seed_all(seed: int, rank: int, step: int, device: torch.device) -> None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from ...task import Task
-    from .loop import LoopSettings
+    from .settings import LoopSettings
 
 
 @dataclass(frozen=True, kw_only=True)

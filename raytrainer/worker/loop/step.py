@@ -21,13 +21,13 @@ from .nonfinite import what_is_not_finite
 from .rollback import agreed_loss, roll_back
 
 if TYPE_CHECKING:
-    from .loop import Loop
+    from .face import LoopFace
     from ..state.carrier import Carrier
 
 _NO_PHASE = contextlib.nullcontext()
 
 
-def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier | None) -> torch.Tensor:
+def accumulate(loop: LoopFace, scaler: torch.amp.GradScaler | None, carrier: Carrier | None) -> torch.Tensor:
     """Run this rank's micro-batches of the step and return their metrics, weighted like the
     loss (this rank's share of the global batch). Where the strategy has a carrier, the
     metrics, the pause flag and the save ask ride on the gradient all-reduce."""
@@ -40,31 +40,31 @@ def accumulate(loop: Loop, scaler: torch.amp.GradScaler | None, carrier: Carrier
         divisor = loop.plan.loss_divisor(size)
         sync = i == last
         with contextlib.nullcontext() if sync else loop.strategy.no_sync(loop.wrapped):
-            with loop._in_user_code():
+            with loop.in_user_code():
                 batch = to_device(next(batches), loop.device)
-                with loop._autocast():
+                with loop.autocast():
                     out = loop.task.train_step(loop.model, batch)
             loss, values = loop.outputs.loss(out), loop.outputs.stack(out, "train")
             if divisor != 1:  # one micro-batch a step: nothing to divide (x / 1 is x)
                 loss, values = loss / divisor, values / divisor
             total = values if total is None else total + values
             if sync and carrier is not None:
-                carrier.send(total, loop.pause_requested, loop._save_wanted(), loop.world_size,
+                carrier.send(total, loop.pause_requested, loop.save_wanted(), loop.world_size,
                              rank=loop.rank, started=started)
             # The gradient all-reduce (DDP) or reduce-scatter (FSDP) completes inside
             # the last backward.
-            with loop._phase("collective") if sync and loop.world_size > 1 else _NO_PHASE:
+            with loop.in_phase("collective") if sync and loop.world_size > 1 else _NO_PHASE:
                 (scaler.scale(loss) if scaler else loss).backward()
         loop.progress += 1
     return total
 
 
-def finite(loop: Loop, step: int, total: torch.Tensor, carried: list[float] | None,
+def finite(loop: LoopFace, step: int, total: torch.Tensor, carried: list[float] | None,
            norm: torch.Tensor | None, scaler: torch.amp.GradScaler | None) -> bool | None:
     """Whether step `step`'s update may be applied (trainer.nonfinite, see nonfinite.py); if
     not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on.
     None: the run went back to an earlier step (rollback, see rollback.py)."""
-    loss_col, waiting = loop.outputs.keys["train"].index("loss"), lambda: loop._phase("collective")
+    loss_col, waiting = loop.outputs.keys["train"].index("loss"), lambda: loop.in_phase("collective")
     what = what_is_not_finite(step, loss_col, total, carried, norm, rank=loop.rank,
                               world_size=loop.world_size, grads=scaler is None, module=loop.module,
                               waiting=waiting)
@@ -81,7 +81,7 @@ def finite(loop: Loop, step: int, total: torch.Tensor, carried: list[float] | No
     return False
 
 
-def update(loop: Loop, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+def update(loop: LoopFace, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
            lr_scale: float) -> None:
     """Step the optimizer at every LR times `lr_scale`; then, unless fp16's scaler skipped
     the step for gradients that overflowed (counted in skipped_steps), the scheduler and EMA."""
@@ -119,14 +119,14 @@ def scaled_lr(optimizer: torch.optim.Optimizer, scale: float):
             group["lr"] = lr
 
 
-def step_row(loop: Loop, lr: float, scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
+def step_row(loop: LoopFace, lr: float, scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
     """The step's row: the LR it used, samples/s since the last step's row (or since training
     resumed), and where the task gives what they need, tokens/s, model FLOP/s and MFU; the
     counts of dropped steps where steps can be dropped."""
     now = time.perf_counter()
-    rate = loop.plan.global_batch_size / max(now - loop._last_time, 1e-9)
-    loop._last_time = now
-    info = loop._row(loop.step, loop.epoch, {"lr": lr, "samples_per_s": rate})
+    rate = loop.plan.global_batch_size / max(now - loop.last_time, 1e-9)
+    loop.last_time = now
+    info = loop.row(loop.step, loop.epoch, {"lr": lr, "samples_per_s": rate})
     if loop.tokens_per_sample:
         info["tokens_per_s"] = rate * loop.tokens_per_sample
     if loop.flops_per_sample:

@@ -46,7 +46,7 @@ from ..input.input import ValInput, collate_of
 from .outputs import StepOutputs
 
 if TYPE_CHECKING:
-    from .loop import Loop
+    from .face import LoopFace
 
 RETRIES = 3
 """How many times Ray restarts a lost validation actor and retries its shard."""
@@ -157,7 +157,7 @@ class AsyncValidation:
     take the same steps' validations and agree on early stopping); rank 0's starts the
     validation actors and talks to them."""
 
-    def __init__(self, loop: Loop, cfg: TrainerConfig, task: TaskConfig, most_workers: int,
+    def __init__(self, loop: LoopFace, cfg: TrainerConfig, task: TaskConfig, most_workers: int,
                  collate_fn: str | None = None):
         self.loop, self.cfg, self.task_cfg, self.collate_fn = loop, cfg.validation, task, collate_fn
         self.trainer_cfg, self.most_workers = cfg, most_workers
@@ -179,7 +179,7 @@ class AsyncValidation:
             self._start()
 
     @classmethod
-    def build(cls, loop: Loop, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int,
+    def build(cls, loop: LoopFace, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int,
               collate_fn: str | None = None) -> AsyncValidation | None:
         if not cfg.validation.async_ or loop.val_data is None or task is None or cfg.fast_dev_run:
             return None
@@ -368,7 +368,7 @@ class AsyncValidation:
         means = (sums[:-1] / sums[-1]).tolist()
         metrics = {f"val_{k}": v for k, v in zip(keys, means)}
         loop.latest_metrics.update(metrics)
-        loop.window.report([loop._row(p.step, p.epoch, metrics)])
+        loop.window.report([loop.row(p.step, p.epoch, metrics)])
         loop.notify({"event": "validated", "step": p.step, "at_step": loop.step, "held_s": round(p.held_s, 5),
                      "seconds": round(time.time() - p.started, 3)})
         loop.callbacks("on_validation_end", loop, metrics)
@@ -414,7 +414,7 @@ class AsyncValidation:
             mine[1] = float(stopping.best is not None)
             mine[2] = stopping.best if stopping.best is not None else 0.0
             mine[3] = stopping.bad_validations
-        with loop._phase("collective"):
+        with loop.in_phase("collective"):
             agreed = all_reduce_sum(mine).tolist()
         if loop.rank != 0:
             stopping.best = agreed[2] if agreed[1] else None

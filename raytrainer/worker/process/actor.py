@@ -155,7 +155,7 @@ class Worker:
             self.loop.close_inputs()
             self.loop = None
         with _as_worker_error(self), self._forming.marked():
-            resume = resolve(resume, self)
+            resume = resolve(resume, self._own_snapshot)
             if not use_gpu:  # a spare taking over was made with none
                 use_worker_cpus(cfg.scaling.resources_per_worker)
             device = choose_device(use_gpu)
@@ -163,8 +163,9 @@ class Worker:
             prebuilt = adopt(self._warm_up.take(), resume, device)  # the model and optimizer, built ahead
             task = prebuilt.task if prebuilt is not None else build_task(cfg.task, cfg.task.payload)
             self._forming.join(rank, world_size, addr, port, self._backend, cfg.failure.collective_timeout_s)
-            outlets = building.outlets(self)
-            self.loop = building.build_loop(self, task, outlets, rank, world_size, device,
+            outlets = building.outlets(cfg, report=self._outbox.push, notify=self._notify,
+                                       chaos_claim=self._chaos_claim, snapshots=self.snapshots)
+            self.loop = building.build_loop(cfg, self.node().node_id, task, outlets, rank, world_size, device,
                                             load(resume, building.copied_on_load(cfg)), prebuilt)
             return self.loop.total_steps, self.loop.steps_per_epoch, self.loop.replicated
 
@@ -188,7 +189,7 @@ class Worker:
             self.loop.abandon_step()
             if error is not None:
                 raise error from None
-            return RunEnd("interrupted", self.loop.step, self.loop._after_pending,
+            return RunEnd("interrupted", self.loop.step, self.loop.after_pending,
                           cause=f"{type(exc).__name__}: {exc}")
         finally:
             self._run_thread = None
@@ -228,7 +229,7 @@ class Worker:
         """Progress for the driver's hang check. The phase is "collective" where the loop
         waits for its peers, or where the training thread is anywhere inside
         torch.distributed (a collective in DDP's forward, or in the task's own code)."""
-        return control.status(self)
+        return control.status(self.loop, self._forming, self._run_thread)
 
     def request_pause(self) -> None:
         """Pause `run` at the next step boundary all ranks agree on."""
@@ -342,7 +343,7 @@ class Worker:
         self._forming.note_working()
         with _as_worker_error(self), self._forming.marked():
             if state is not None:  # first: should the group fail to form, this state is kept
-                self.loop.load_state_dict(load(resolve(state, self), building.copied_on_load(self.config)))
+                self.loop.load_state_dict(load(resolve(state, self._own_snapshot), building.copied_on_load(self.config)))
             self._copy.pause(self.loop)  # a second holder is back (the driver says so again later)
             self._forming.join(rank, world_size, addr, port, self._backend, self.config.failure.collective_timeout_s)
             self.rank = rank
@@ -370,6 +371,10 @@ class Worker:
         """Metric rows and lifecycle events since the last drain (rank 0 holds the
         reduced rows and writes the checkpoints)."""
         return self._outbox.drain()
+
+    def _own_snapshot(self, step: int) -> Snapshot:
+        """This worker's own peer snapshot of `step` (forming.resolve asks for it by step)."""
+        return self.snapshots.own_snapshot(step)
 
     def _notify(self, event: dict[str, Any]) -> None:
         self._outbox.notify({**event, "rank": self.rank})
@@ -422,7 +427,7 @@ class _WarmUp:
             _internals.import_inductor()
 
         from ..loop import loop  # noqa: F401
-        from ..state import snapshot
+        from ..state import snapshot  # noqa: F401
 
         keeping.note_start()  # torch's imports set variables of their own
 

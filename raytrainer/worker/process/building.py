@@ -10,7 +10,7 @@ so a config that names some is an error here rather than callbacks that never ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...callbacks import Callbacks
 from ...errors import ConfigError
@@ -19,20 +19,23 @@ if TYPE_CHECKING:
     import torch
 
     from ...config import Config
-    from .actor import Worker
-    from ..loop.loop import Outlets
+    from ..loop.settings import Outlets
+    from ..state.snapshot import PeerSnapshots
     from ..state.state import Prebuilt
 
 
-def outlets(worker: Worker) -> Outlets:
+def outlets(cfg: Config, *, report: Callable[[list[dict[str, Any]]], None], notify: Callable[[dict[str, Any]], None],
+            chaos_claim: Callable[[int, int], bool], snapshots: PeerSnapshots) -> Outlets:
+    """The loop's outlets into the worker process: where its rows and events go (the
+    worker's outbox), the chaos claim, the peer snapshots it keeps across groups; the
+    worker callbacks and the run's checkpoints built from `cfg`."""
     from ...checkpoint import Checkpoints, Storage
-    from ..loop.loop import Outlets
+    from ..loop.settings import Outlets
 
-    cfg = worker.config
     callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
-    return Outlets(report=worker._outbox.push, notify=worker._notify, callbacks=callbacks,
+    return Outlets(report=report, notify=notify, callbacks=callbacks,
                    checkpoints=Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint),
-                   chaos_claim=worker._chaos_claim, snapshots=worker.snapshots)
+                   chaos_claim=chaos_claim, snapshots=snapshots)
 
 
 def copied_on_load(cfg: Config) -> tuple[str, ...]:
@@ -43,14 +46,14 @@ def copied_on_load(cfg: Config) -> tuple[str, ...]:
     return () if cfg.task.is_loop or cfg.trainer.strategy != "ddp" else ("model", "optimizer")
 
 
-def build_loop(worker: Worker, task: Any, outlets: Outlets, rank: int, world_size: int, device: torch.device,
-               state: Any, prebuilt: Prebuilt | None = None):
+def build_loop(cfg: Config, node_id: str, task: Any, outlets: Outlets, rank: int, world_size: int,
+               device: torch.device, state: Any, prebuilt: Prebuilt | None = None):
     """A Task's Loop (over the training state `prebuilt` where one was built ahead:
     warm.py), or, for your own loop (task.loop), fn(ctx) in the group just formed (see
     userloop.py)."""
-    from ..loop.loop import Loop, LoopSettings
+    from ..loop.loop import Loop
+    from ..loop.settings import LoopSettings
 
-    cfg = worker.config
     if not cfg.task.is_loop:
         return Loop(task, LoopSettings.of(cfg), outlets, rank=rank, world_size=world_size, device=device,
                     state=state, prebuilt=prebuilt)
@@ -63,4 +66,4 @@ def build_loop(worker: Worker, task: Any, outlets: Outlets, rank: int, world_siz
                           "on_driver = True to run it on the driver")
     return UserLoop(task, cfg, rank=rank, world_size=world_size, device=device, report=outlets.report,
                     notify=outlets.notify, checkpoints=outlets.checkpoints, state=state,
-                    node=worker.node().node_id, snapshots=outlets.snapshots)
+                    node=node_id, snapshots=outlets.snapshots)

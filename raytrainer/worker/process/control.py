@@ -18,20 +18,21 @@ from ...contract import Status
 from ..pids import running
 
 if TYPE_CHECKING:
-    from .actor import Worker
+    from .forming import Forming
 
 
-def status(worker: Worker) -> Status:
-    """Worker.status: the phase is "collective" where the loop waits for its peers, or where
-    the training thread is anywhere inside torch.distributed."""
-    loop = worker.loop
-    busy = worker._forming.busy_s()
+def status(loop: Any, forming: Forming, run_thread: int | None) -> Status:
+    """Worker.status, of the worker's loop (None before its first setup), where it stands
+    in forming a group, and its training thread (None while it does not train): the phase
+    is "collective" where the loop waits for its peers, or where the training thread is
+    anywhere inside torch.distributed."""
+    busy = forming.busy_s()
     if loop is None:
-        return Status(0, 0, "setup", forming=worker._forming.phase, busy_s=busy)
+        return Status(0, 0, "setup", forming=forming.phase, busy_s=busy)
     phase = loop.phase
-    if phase != "collective" and _in_collective(sys._current_frames().get(worker._run_thread)):
+    if phase != "collective" and _in_collective(sys._current_frames().get(run_thread)):
         phase = "collective"
-    return Status(loop.step, loop.progress, phase, loop._after_pending, forming=worker._forming.phase, busy_s=busy)
+    return Status(loop.step, loop.progress, phase, loop.after_pending, forming=forming.phase, busy_s=busy)
 
 
 def _in_collective(frame: Any) -> bool:

@@ -16,13 +16,10 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from ...contract import CopiedState, Reshard, Snapshot
 from ..busy import busy_seconds
-
-if TYPE_CHECKING:
-    from .actor import Worker
 
 
 class Forming:
@@ -59,14 +56,15 @@ class Forming:
         self.phase = "joined"
 
 
-def resolve(resume: Any, worker: Worker) -> Any:
-    """The snapshots in `resume` as setup loads them: this worker's own by its step, and
+def resolve(resume: Any, own_snapshot: Callable[[int], Snapshot]) -> Any:
+    """The snapshots in `resume` as setup loads them: this worker's own by its step (its
+    peer snapshots' `own_snapshot`, asked only where one is named), and
     every rank's of a re-shard; a survivor's copy on this node, read (mapped); anything
     else as it is."""
     if isinstance(resume, Snapshot) and resume.data is None:
-        return worker.snapshots.own_snapshot(resume.step)
+        return own_snapshot(resume.step)
     if isinstance(resume, Reshard):
-        return Reshard(resume.step, tuple(_snapshot_part(part, worker) for part in resume.parts))
+        return Reshard(resume.step, tuple(_snapshot_part(part, own_snapshot) for part in resume.parts))
     if isinstance(resume, CopiedState):
         from ..state.copies import read
 
@@ -78,11 +76,11 @@ def resolve(resume: Any, worker: Worker) -> Any:
     return resume
 
 
-def _snapshot_part(part: Any, worker: Worker) -> Snapshot:
+def _snapshot_part(part: Any, own_snapshot: Callable[[int], Snapshot]) -> Snapshot:
     """One rank's snapshot to re-shard from: this worker's own (no data), else fetched
     from the object store (a nested reference Ray does not resolve by itself)."""
     if isinstance(part, Snapshot) and part.data is None:
-        return worker.snapshots.own_snapshot(part.step)
+        return own_snapshot(part.step)
     import ray
 
     return ray.get(part)

@@ -40,7 +40,7 @@ def prebuild(config: Config) -> Prebuilt | None:
         return None
     from ...task import build_task
     from ..dist import use_worker_cpus
-    from ..loop.loop import LoopSettings
+    from ..loop.settings import LoopSettings
     from ..loop.sizing import Sizing
     from ..state.state import Prebuilt, TrainState
     from ..state.strategy import build_strategy
@@ -127,7 +127,7 @@ def compile_ahead(prebuilt: Prebuilt | None, config: Config) -> None:
 
     from ..loop.compiling import compiled
     from ..input.input import collate_of
-    from ..loop.loop import LoopSettings
+    from ..loop.settings import LoopSettings
     from ..loop.outputs import StepOutputs
     from ..loop.sizing import Sizing
 

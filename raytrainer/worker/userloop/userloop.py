@@ -57,7 +57,7 @@ from ...errors import ConfigError, TaskError
 from .. import _internals, scratch
 from . import loopshards
 from ..dist import all_reduce_sum
-from ..loop.loop import Loop
+from ..loop.phase import InPhase
 from ..state.saver import CheckpointSaver
 from ..state.snapshot import AutoInterval, PeerSnapshots, check_memory, interval_event, state_bytes
 from ..state.strategy import build_strategy
@@ -88,7 +88,7 @@ class UserLoop:
         self.epoch = 0
         self.progress = 0  # reports and sampled batches: the driver's hang check
         self.phase = "user"
-        self._after_pending = False  # a report is whole or not at all
+        self.after_pending = False  # a report is whole or not at all
         self.pause_requested = False  # set by the driver's thread
         self.paused = False
         self.stop_reason: str | None = None
@@ -137,7 +137,7 @@ class UserLoop:
             self._rows([row for row in self._history if row["step"] <= self.step])
         ctx = LoopContext(self)
         try:
-            with self._phase("user"):
+            with self.in_phase("user"):
                 out = self.fn(ctx)
         except Paused:
             self.paused = True
@@ -236,7 +236,7 @@ class UserLoop:
         keys = sorted(numeric)
         flags = [float(state is not None), float(self.pause_requested)]
         values = torch.tensor([numeric[k] for k in keys] + list(self._measured) + flags, dtype=torch.float64)
-        with self._phase("collective"):
+        with self.in_phase("collective"):
             sums = all_reduce_sum(values).tolist()  # every rank reaches this report, or none goes past it
         everyone_has_state = sums[-2] == self.world_size
         self._pause_agreed |= sums[-1] > 0
@@ -295,7 +295,7 @@ class UserLoop:
         if not self._memory_checked:  # once its size is known
             check_memory(state_bytes(self.held), self.local_world_size, "failure.snapshot_every_n_steps")
             self._memory_checked = True
-        with self._phase("collective"):  # the ring exchange with the neighbours
+        with self.in_phase("collective"):  # the ring exchange with the neighbours
             self.snapshots.take(self.step, self.state_dict())
             self.snapshots.wait()
 
@@ -368,7 +368,9 @@ class UserLoop:
 
         return default_mesh(self.device.type)
 
-    _phase = Loop._phase  # where this rank is, for the driver's hang check
+    def in_phase(self, phase: str) -> InPhase:
+        """Where this rank is, for the driver's hang check (see Worker.status)."""
+        return InPhase(self, phase)
 
 
 class LoopContext:
