@@ -17,7 +17,7 @@ import torch
 from raytrainer.config import DataConfig, TrainerConfig, load_config
 from raytrainer.data import BatchPlan, fetch
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.worker.input.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
+from raytrainer.worker.input.input import LoaderProcessDied, MapInput, StreamInput, PlanSampler
 from raytrainer.worker.loop.loop import Loop
 from raytrainer.worker.loop.settings import LoopSettings
 
@@ -41,7 +41,7 @@ def same(a, b):
 
 def test_the_sampler_yields_the_plans_micro_batches_across_epochs():
     plan = BatchPlan(50, 16, 5, 2, seed=3)  # 3 steps an epoch, 2 samples dropped
-    sampler = _PlanSampler(plan, rank=1)
+    sampler = PlanSampler(plan, rank=1)
     sampler.epoch, sampler.position = 0, 32  # the last step of epoch 0
     got = [index for _, index in zip(range(3 * plan.accumulation), sampler)]
     want = [i.tolist() for epoch, position in ((0, 32), (1, 0), (1, 16))

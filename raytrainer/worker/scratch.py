@@ -34,6 +34,25 @@ def make() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}@{host}.", dir=root))
 
 
+class Folder:
+    """One scratch folder, made when first asked for (`path`) and removed by `remove`: your
+    loop's ctx.scratch_dir, which the UserLoop that hands it to ctx removes when fn ends."""
+
+    def __init__(self):
+        self._path: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            self._path = make()
+        return self._path
+
+    def remove(self) -> None:
+        """Remove it, if it was made (the loop's own files: what it keeps it has committed)."""
+        if self._path is not None:
+            shutil.rmtree(self._path, ignore_errors=True)
+
+
 def sweep(root: Path, host: str) -> list[Path]:
     """Remove the folders under `root` of this node's processes that are gone; the removed."""
     removed = []

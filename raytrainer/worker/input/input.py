@@ -212,7 +212,7 @@ class LoaderProcessDied(RuntimeError):
 
 # --------------------------------------------------------------------------- map-style
 
-class _PlanSampler:
+class PlanSampler:
     """The DataLoader's batch_sampler: this rank's micro-batch index lists, step after
     step, from a data position on (epochs roll over as the loop's do)."""
 
@@ -248,7 +248,7 @@ class MapInput:
     def __init__(self, dataset: Dataset, cfg: DataConfig, *, rank: int, plan: BatchPlan,
                  device: torch.device, collate: Collate = default_collate):
         self.dataset, self.cfg, self.device, self.collate = dataset, cfg, device, collate
-        self.sampler = _PlanSampler(plan, rank)
+        self.sampler = PlanSampler(plan, rank)
         self._loader: DataLoader | None = None
         self._it: Iterator | None = None
         self._cursor: tuple[int, int, int] | None = None  # (epoch, position, micro-batch) it yields next
@@ -308,8 +308,9 @@ class MapInput:
 
     def close(self) -> None:
         it, self._it, self._cursor = self._it, None, None
-        if self._loader is not None and self._loader._iterator is not None:  # persistent workers
-            it, self._loader._iterator = self._loader._iterator, None
+        kept = _internals.take_loader_iterator(self._loader) if self._loader is not None else None
+        if kept is not None:  # persistent workers
+            it = kept
         self._loader = None
         _shutdown(it)
 
@@ -348,7 +349,7 @@ class ValInput:
 
     def close(self) -> None:
         if self._loader is not None:
-            _shutdown(self._loader._iterator)
+            _shutdown(_internals.take_loader_iterator(self._loader))
             self._loader = None
 
 

@@ -50,7 +50,7 @@ def release(forget: Callable[[], None]) -> str | None:
 
     if not _baseline:
         return "it never imported torch"
-    if dist.dist.is_initialized() or dist._ABORTED:
+    if dist.groups_left():
         return "a process group is left"
     if "ray.data" in sys.modules:  # its coordinator actors belong to this process, and live with it
         return "Ray Data ran here"

@@ -24,6 +24,7 @@ Plain torch and numpy; no Ray.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -115,13 +116,19 @@ def _view_of(buffer: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.from_numpy(np.asarray(buffer, dtype=np.uint8))
     view = flat.view(dtype).reshape(shape)
-    view._raytrainer_view = True  # see is_view
+    _VIEWS[id(view)] = weakref.ref(view, lambda _, key=id(view): _VIEWS.pop(key, None))  # see is_view
     return view
+
+
+# unpack's views, by id while each lives (a weak reference, dropped with the view): not an
+# attribute set on the tensor, and not a WeakSet (its lookups compare tensors with ==).
+_VIEWS: dict[int, weakref.ref] = {}
 
 
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is one of unpack's views (memory the loader must copy out of)."""
-    return getattr(tensor, "_raytrainer_view", False)
+    ref = _VIEWS.get(id(tensor))
+    return ref is not None and ref() is tensor
 
 
 def tensor_of(buffer: np.ndarray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -39,7 +39,6 @@ import collections
 import copy
 import math
 import os
-import shutil
 import socket
 import sys
 import time
@@ -135,7 +134,8 @@ class UserLoop:
         self._measured = (0.0, 0.0)
         if self.rank == 0:
             self._rows([row for row in self._history if row["step"] <= self.step])
-        ctx = LoopContext(self)
+        folder = scratch.Folder()
+        ctx = LoopContext(self, folder)
         try:
             with self.in_phase("user"):
                 out = self.fn(ctx)
@@ -143,8 +143,7 @@ class UserLoop:
             self.paused = True
             return None
         finally:
-            if ctx._scratch is not None:  # the loop's own files: what it keeps it has committed
-                shutil.rmtree(ctx._scratch, ignore_errors=True)
+            folder.remove()  # ctx.scratch_dir, if fn asked for it
         if self.rank == 0:
             self.validations.take(wait=True)
         self._save(final=True)  # the end of the run, as a Task's (a no-op where this step is saved)
@@ -376,7 +375,7 @@ class UserLoop:
 class LoopContext:
     """What your loop function gets: where it runs, where to start, and report()."""
 
-    def __init__(self, loop: UserLoop):
+    def __init__(self, loop: UserLoop, scratch_folder: scratch.Folder | None = None):
         self._loop = loop
         trainer = loop.config.trainer
         self.rank, self.world_size, self.device = loop.rank, loop.world_size, loop.device
@@ -395,7 +394,7 @@ class LoopContext:
         your loop saved in it (ctx.report(checkpoint=...)); None when it came from memory."""
         self.max_steps, self.max_epochs = trainer.max_steps, trainer.max_epochs
         self.global_batch_size, self.seed = trainer.global_batch_size, trainer.seed
-        self._scratch: Path | None = None
+        self._scratch = scratch_folder if scratch_folder is not None else scratch.Folder()
 
     @property
     def scratch_dir(self) -> str:
@@ -403,9 +402,7 @@ class LoopContext:
         Trainer's output_dir): this worker's alone, made when first asked for, removed when
         fn ends however it ends (commit what you keep: report(checkpoint=...)). One a killed
         worker left is removed by the next worker on its node that asks for one."""
-        if self._scratch is None:
-            self._scratch = scratch.make()
-        return str(self._scratch)
+        return str(self._scratch.path)
 
     def report(self, metrics: dict[str, Any], state: dict[str, Any] | None = None, checkpoint: Any = None,
                validate: Any = None) -> None:
