@@ -20,11 +20,11 @@ from ...data import batch_size_of, to_device
 from ..dist import all_reduce_sum
 
 if TYPE_CHECKING:
-    from .face import LoopFace
+    from .face import EvaluateFace
 
 
 @torch.no_grad()
-def validate_here(loop: LoopFace, epoch: int) -> dict[str, float] | None:
+def validate_here(loop: EvaluateFace, epoch: int) -> dict[str, float] | None:
     if loop.validation is not None and loop.validation.takes(epoch):
         return None  # asked of the validation actors; training goes on
     loop.flush(wait=True)
@@ -40,7 +40,7 @@ def validate_here(loop: LoopFace, epoch: int) -> dict[str, float] | None:
     return metrics
 
 
-def evaluate(loop: LoopFace, model: torch.nn.Module) -> dict[str, float]:
+def evaluate(loop: EvaluateFace, model: torch.nn.Module) -> dict[str, float]:
     """The validation metrics of `model`, reduced over ranks."""
     model.eval()
     total, count, done = None, 0, 0

@@ -29,7 +29,7 @@ from ..state.state import TrainState
 from ..state.strategy import Strategy
 
 if TYPE_CHECKING:
-    from .face import LoopFace
+    from .face import HandoverFace
 
 
 def starting_state(state: dict[str, Any] | str | Snapshot | Reshard | None, strategy: Strategy,
@@ -65,7 +65,7 @@ def check_resumable(saved: dict[str, Any], cfg: TrainerConfig) -> None:
         )
 
 
-def where(loop: LoopFace, rows: bool) -> dict[str, Any]:
+def where(loop: HandoverFace, rows: bool) -> dict[str, Any]:
     """The loop's own part of the state: where it is in the run (the step, the epoch and
     the data position, what early stopping and the non-finite steps counted, whether the
     step's after-work is pending), with the recent metric rows where `rows`."""
@@ -78,7 +78,7 @@ def where(loop: LoopFace, rows: bool) -> dict[str, Any]:
             "rows": [r for r in loop.window.recent if r["step"] <= loop.step] if rows else []}
 
 
-def go_back(loop: LoopFace, saved: dict[str, Any]) -> None:
+def go_back(loop: HandoverFace, saved: dict[str, Any]) -> None:
     """Put the loop where `saved` (where()) says, at the same global sample index whatever
     the world size now is."""
     loop.step, loop.skipped_steps = saved["step"], saved["skipped_steps"]
@@ -108,7 +108,7 @@ def bind_snapshots(snapshots: PeerSnapshots | None, strategy: Strategy, train: T
     return snapshots
 
 
-def checkpoint_saver(loop: LoopFace, checkpoints: Checkpoints | None, cfg: CheckpointConfig) -> CheckpointSaver:
+def checkpoint_saver(loop: HandoverFace, checkpoints: Checkpoints | None, cfg: CheckpointConfig) -> CheckpointSaver:
     """The loop's saver. A commit goes to the driver's log, the async validation (which ranks
     it for keep_best once its metrics arrive) and the callbacks; a failed save to the log."""
 
@@ -128,7 +128,7 @@ def checkpoint_saver(loop: LoopFace, checkpoints: Checkpoints | None, cfg: Check
                            on_failure=failed)
 
 
-def leave(loop: LoopFace) -> dict[str, torch.Tensor] | None:
+def leave(loop: HandoverFace) -> dict[str, torch.Tensor] | None:
     """What a fit that stopped leaves behind. Paused for a resize (regroup(), then fit()
     again): nothing where the state is replicated (a survivor gives it), else what the next
     group re-shards; None. At the end of the run: the final checkpoint, and the final weights
@@ -153,7 +153,7 @@ def leave(loop: LoopFace) -> dict[str, torch.Tensor] | None:
         return loop.strategy.full_weights(final)
 
 
-def save_model(loop: LoopFace, run: RunConfig, weights: dict[str, Any]) -> str:
+def save_model(loop: HandoverFace, run: RunConfig, weights: dict[str, Any]) -> str:
     """Write the final weights to <run.storage>/<run.name>/model.pt, whole or not at all;
     return where (the driver hands that path to its loggers, never the bytes)."""
     storage = Storage(run.storage)

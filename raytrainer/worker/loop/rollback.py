@@ -38,7 +38,7 @@ from ...errors import ConfigError, NonFiniteLoss
 from ..state.snapshot import AutoInterval, PeerSnapshots, load, restore
 
 if TYPE_CHECKING:
-    from .face import LoopFace
+    from .face import RollbackFace
 
 SPIKE_WINDOW = 32  # the recent steps whose median loss a spike is measured against
 SPIKE_MIN = 8  # losses seen before the rule applies: a run's first steps have no "usual" yet
@@ -173,7 +173,7 @@ def rollbacks(cfg: TrainerConfig, every: int | str, peer: PeerSnapshots | None, 
     return Rollbacks(cfg.rollback_max, KeptState(every, peer, start))
 
 
-def roll_back(loop: LoopFace, step: int, why: str) -> None:
+def roll_back(loop: RollbackFace, step: int, why: str) -> None:
     """Undo everything since the newest kept state (or just step `step`'s update, none being
     kept), move the data past step `step`'s batch, and tell the driver. Every rank calls it at
     the same step, with no collective."""

@@ -21,13 +21,13 @@ from .nonfinite import what_is_not_finite
 from .rollback import agreed_loss, roll_back
 
 if TYPE_CHECKING:
-    from .face import LoopFace
+    from .face import StepFace
     from ..state.carrier import Carrier
 
 _NO_PHASE = contextlib.nullcontext()
 
 
-def accumulate(loop: LoopFace, scaler: torch.amp.GradScaler | None, carrier: Carrier | None) -> torch.Tensor:
+def accumulate(loop: StepFace, scaler: torch.amp.GradScaler | None, carrier: Carrier | None) -> torch.Tensor:
     """Run this rank's micro-batches of the step and return their metrics, weighted like the
     loss (this rank's share of the global batch). Where the strategy has a carrier, the
     metrics, the pause flag and the save ask ride on the gradient all-reduce."""
@@ -59,7 +59,7 @@ def accumulate(loop: LoopFace, scaler: torch.amp.GradScaler | None, carrier: Car
     return total
 
 
-def finite(loop: LoopFace, step: int, total: torch.Tensor, carried: list[float] | None,
+def finite(loop: StepFace, step: int, total: torch.Tensor, carried: list[float] | None,
            norm: torch.Tensor | None, scaler: torch.amp.GradScaler | None) -> bool | None:
     """Whether step `step`'s update may be applied (trainer.nonfinite, see nonfinite.py); if
     not, the step is dropped: its gradients and BatchNorm statistics go, the data moves on.
@@ -81,7 +81,7 @@ def finite(loop: LoopFace, step: int, total: torch.Tensor, carried: list[float] 
     return False
 
 
-def update(loop: LoopFace, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+def update(loop: StepFace, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
            lr_scale: float) -> None:
     """Step the optimizer at every LR times `lr_scale`; then, unless fp16's scaler skipped
     the step for gradients that overflowed (counted in skipped_steps), the scheduler and EMA."""
@@ -119,7 +119,7 @@ def scaled_lr(optimizer: torch.optim.Optimizer, scale: float):
             group["lr"] = lr
 
 
-def step_row(loop: LoopFace, lr: float, scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
+def step_row(loop: StepFace, lr: float, scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
     """The step's row: the LR it used, samples/s since the last step's row (or since training
     resumed), and where the task gives what they need, tokens/s, model FLOP/s and MFU; the
     counts of dropped steps where steps can be dropped."""

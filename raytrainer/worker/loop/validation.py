@@ -46,7 +46,7 @@ from ..input.input import ValInput, collate_of
 from .outputs import StepOutputs
 
 if TYPE_CHECKING:
-    from .face import LoopFace
+    from .face import ValidationFace
 
 RETRIES = 3
 """How many times Ray restarts a lost validation actor and retries its shard."""
@@ -157,7 +157,7 @@ class AsyncValidation:
     take the same steps' validations and agree on early stopping); rank 0's starts the
     validation actors and talks to them."""
 
-    def __init__(self, loop: LoopFace, cfg: TrainerConfig, task: TaskConfig, most_workers: int,
+    def __init__(self, loop: ValidationFace, cfg: TrainerConfig, task: TaskConfig, most_workers: int,
                  collate_fn: str | None = None):
         self.loop, self.cfg, self.task_cfg, self.collate_fn = loop, cfg.validation, task, collate_fn
         self.trainer_cfg, self.most_workers = cfg, most_workers
@@ -179,7 +179,7 @@ class AsyncValidation:
             self._start()
 
     @classmethod
-    def build(cls, loop: LoopFace, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int,
+    def build(cls, loop: ValidationFace, cfg: TrainerConfig, task: TaskConfig | None, most_workers: int,
               collate_fn: str | None = None) -> AsyncValidation | None:
         if not cfg.validation.async_ or loop.val_data is None or task is None or cfg.fast_dev_run:
             return None
