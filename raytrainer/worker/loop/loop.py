@@ -1,14 +1,15 @@
 """The step and epoch loop of one rank: plain torch, no Ray.
 
-The loop reads the sample order (data.BatchPlan, through input.py), runs the step and
+The loop reads the sample order (data.BatchPlan, through input/input.py), runs the step and
 validation, and decides what happens after a step. What it holds lives in small units:
-the training state (state.py: model, optimizer, scheduler, scaler, EMA), the strategy
-that divides it over the ranks (strategy.py: DDP, or FSDP in sharded.py), the metrics
-window with the pause agreement (window.py), the checkpoint saver (saver.py), early
+the training state (state/state.py: model, optimizer, scheduler, scaler, EMA), the strategy
+that divides it over the ranks (state/strategy.py: DDP, or FSDP in state/sharded.py), the metrics
+window with the pause agreement (window.py), the checkpoint saver (state/saver.py), early
 stopping (stopping.py) and injected faults (chaos.py). What it is built with is derived
 once from the config (sizing.py: the world sizes, the BatchPlan at any of them, the run's
 length); the parts of the step (step.py), a validation in this process (evaluate.py), and
-what a rank starts from and leaves behind (handover.py) are functions of the loop beside it.
+what a rank starts from and leaves behind (handover.py) are functions of the loop beside it
+(each takes it as its Protocol in face.py: what it uses of the loop).
 
 One code path for 1 or N workers. An optimizer step consumes one global batch:
 this rank's share of it in `accumulation` micro-batches, gradients synchronised
