@@ -50,7 +50,7 @@ python -m pytest -q -p no:cacheprovider \
 # 2.60), the fork server of a SIGKILLed worker's loader processes outlives it (parent 1)
 # with its loader processes; with the CPU build of 2.13 it exits. Not a version floor:
 # an open issue of loader processes under CUDA builds (docs/notes-fence.md).
-fsdp_floor=$(python -c "from raytrainer.worker.strategy import FSDP; print(FSDP.NEEDS_TORCH)")
+fsdp_floor=$(python -c "from raytrainer.worker.state.strategy import FSDP; print(FSDP.NEEDS_TORCH)")
 echo "+ FSDP: torch==$fsdp_floor"
 pip install -q "torch==$fsdp_floor"
 python -c "import torch, ray; print('+ torch', torch.__version__, 'ray', ray.__version__)"

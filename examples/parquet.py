@@ -3,7 +3,7 @@
 `train_dataset` returns a `ray.data.Dataset`: read the Parquet files, then a
 `map_batches` preprocessing step (scale the pixels, add noise for augmentation, cast)
 that runs as Ray tasks on any node's CPUs, not in the training processes. Each rank
-streams its split (see raytrainer/worker/raydata.py for the position and what a resume or a
+streams its split (see raytrainer/worker/input/raydata.py for the position and what a resume or a
 resize keeps). Validation stays a plain in-memory dataset.
 
 The Parquet files are written at the first run from scikit-learn's bundled 8x8 digits

@@ -314,7 +314,7 @@ class WorkerGroup(Protocol):
 
 COMPUTE_KEY = "rank_compute_s"
 """A training row's field where the step's metrics rode the gradient all-reduce: each rank's
-own compute time of the step, in seconds, by rank (worker/window.py measures it). The driver
+own compute time of the step, in seconds, by rank (worker/loop/window.py measures it). The driver
 takes it out of the row to find slow workers (driver/stragglers.py); it is not a metric."""
 
 NAMESPACE = "raytrainer"
@@ -358,12 +358,12 @@ class Orphan:
     """Its run directory (storage/name), for the messages that name it."""
 
 
-WORKER_ACTOR = "raytrainer.worker.actor:Worker"
+WORKER_ACTOR = "raytrainer.worker.process.actor:Worker"
 """The class the driver's group makes a Ray actor of, one per worker, by this import path:
 the driver names it but never imports the worker package's modules itself."""
 
 
-STATE_COPIES = "raytrainer.worker.copies"
+STATE_COPIES = "raytrainer.worker.state.copies"
 """The module whose `read(prefix)` and `remove(prefix)` the driver runs, by this import path,
 as Ray tasks on the node of a lone survivor's copy of the state (see keep_copy)."""
 
@@ -391,7 +391,7 @@ class WorkerActor(Protocol):
     def abort(self) -> bool: ...
     def kill_process(self, pid: int) -> None: ...
     def get_state(self) -> tuple[int, Any]:
-        """(its size, this worker's training state, packed: worker/transfer.py). Called with
+        """(its size, this worker's training state, packed: worker/state/transfer.py). Called with
         num_returns=2: the driver waits for the size and hands the state on by reference."""
         ...
     def copy_now(self, prefix: str) -> int | None:

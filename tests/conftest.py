@@ -174,7 +174,7 @@ def assert_no_leaks(timeout_s=10.0):
 
 def loader_processes() -> list[str]:
     """Live loader processes and fork servers started by this checkout's raytrainer, in
-    this process or in Ray workers: their command line names raytrainer.worker.input (the fork
+    this process or in Ray workers: their command line names raytrainer.worker.input.input (the fork
     server's preload list, which the loader processes it forks inherit) and this checkout.
     This process's own fork server, which multiprocessing keeps for the process's life,
     is not counted; the loader processes it forked are."""
@@ -182,7 +182,7 @@ def loader_processes() -> list[str]:
 
     kept = kept_worker_pids()
     return [f"{pid} (parent {ppid}): {cmdline[:80]!r}" for pid, ppid, cmdline in live_processes(ours_only=True)
-            if b"raytrainer.worker.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()
+            if b"raytrainer.worker.input.input" in cmdline and ROOT.encode() in cmdline and ppid != os.getpid()
             and not (ppid in kept and b"multiprocessing.forkserver import main" in cmdline)]
 
 

@@ -36,7 +36,7 @@ def _wait_while(path, every_s=0.05):
 
 def _hold_ahead(path):
     """A build of the task ahead (a spare's or a newcomer's, on the worker's warm-up thread:
-    worker/warm.py) waits while the file `path` exists, as a large model's build at nice 19
+    worker/process/warm.py) waits while the file `path` exists, as a large model's build at nice 19
     takes long; each process waiting writes its pid to `path`.waiting first."""
     import os
     import threading

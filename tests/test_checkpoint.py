@@ -36,7 +36,7 @@ def loaded_step(found):
 
 
 def saver(checkpoints, commits, **cfg):
-    from raytrainer.worker.saver import CheckpointSaver
+    from raytrainer.worker.state.saver import CheckpointSaver
 
     return CheckpointSaver(checkpoints, CheckpointConfig(**cfg), lambda ckpt, path: commits.append(ckpt.step))
 
@@ -126,7 +126,7 @@ KILLED_MID_WRITE = """
 import sys, time
 from raytrainer.checkpoint import Storage
 from raytrainer.config import CheckpointConfig
-from raytrainer.worker.saver import CheckpointSaver
+from raytrainer.worker.state.saver import CheckpointSaver
 from tests.writers import SlowCheckpoints
 
 if __name__ == "__main__":
@@ -161,7 +161,7 @@ def test_the_async_writers_pinned_buffer_is_unpinned_when_it_dies_and_a_failed_p
     # that was only an optimisation. The CUDA side is faked here; the GPU check runs it for real.
     import gc
 
-    from raytrainer.worker import writer
+    from raytrainer.worker.state import writer
 
     cleared = []
     monkeypatch.setattr(writer, "_clear_cuda_error", lambda: cleared.append(1))

@@ -2,7 +2,7 @@
 recovery compiles (nothing on a survivor; from inductor's run cache on a replacement).
 
 Every worker sends a `compiled` event after its first compiled step in a group, with
-dynamo's graph count and inductor's cache hits and misses (worker/compiling.py): the
+dynamo's graph count and inductor's cache hits and misses (worker/loop/compiling.py): the
 tests read torch's own counters through it, not timings."""
 
 import pytest

@@ -1,6 +1,6 @@
 """Two copies, always: a lone survivor keeps a copy of the state in its node's shared memory,
 so a second failure in the window before its replacement joins loses at most a step; and
-the state moves between workers packed (worker/transfer.py), one copy per tensor each way."""
+the state moves between workers packed (worker/state/transfer.py), one copy per tensor each way."""
 
 import copy
 import os
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import raytrainer
-from raytrainer.worker import copies
-from raytrainer.worker.strategy import load_optimizer
-from raytrainer.worker.transfer import Packed, pack, unpack
+from raytrainer.worker.state import copies
+from raytrainer.worker.state.strategy import load_optimizer
+from raytrainer.worker.state.transfer import Packed, pack, unpack
 
 from .conftest import assert_no_leaks
 from .faults import Run, kill
@@ -123,16 +123,16 @@ def test_a_worker_given_the_survivors_copy_loads_the_step_it_was_written_for():
     """A warm spare on the giver's node takes the state from the giver's copy (CopiedState),
     not from the object store: the step the driver names, else a clear error."""
     from raytrainer.contract import CopiedState
-    from raytrainer.worker.forming import resolve
+    from raytrainer.worker.process.forming import resolve
 
     _, _, state = training_state(width=64)
     name = f"raytrainer-copy-taken-{os.getpid()}"
     copy = copies.StateCopy(name)
     try:
         copy.take(12, lambda: state)
-        assert_same_state(state, unpack(resolve(CopiedState(name, 12), worker=None)))
+        assert_same_state(state, unpack(resolve(CopiedState(name, 12), own_snapshot=None)))
         with pytest.raises(RuntimeError, match=f"{name}, holds step 12, not 13"):
-            resolve(CopiedState(name, 13), worker=None)
+            resolve(CopiedState(name, 13), own_snapshot=None)
     finally:
         copy.remove()
 
@@ -142,7 +142,7 @@ def test_copy_now_writes_the_step_a_recovery_secured_elsewhere():
     for a copy now (a spare on its node takes the state from it), it writes that step."""
     from types import SimpleNamespace
 
-    from raytrainer.worker.actor import Worker
+    from raytrainer.worker.process.actor import Worker
 
     _, _, state = training_state(width=64)
     name = f"raytrainer-copy-now-{os.getpid()}"

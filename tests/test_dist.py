@@ -20,7 +20,7 @@ def new_worker(tmp_path, before: str, after: str) -> list[str]:
     `before`, build a Worker, print `after`: the printed words."""
     config = {"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 1},
               "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}}
-    code = ("import gc, sys; from raytrainer.worker.actor import Worker; "
+    code = ("import gc, sys; from raytrainer.worker.process.actor import Worker; "
             f"before = {before}; Worker({config!r}); print(before, {after})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

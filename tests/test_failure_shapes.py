@@ -380,7 +380,7 @@ def test_a_peer_killing_a_silent_worker_says_whether_its_process_was_frozen_or_g
     from raytrainer.contract import Node
     from raytrainer.driver.group import RayWorkerGroup
     from raytrainer.driver.group.actors import CONTROL
-    from raytrainer.worker import control
+    from raytrainer.worker.process import control
 
     @ray.remote(num_cpus=0, concurrency_groups={CONTROL: 1})
     class Worker:

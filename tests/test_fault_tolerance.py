@@ -126,7 +126,7 @@ def test_warm_spares_start_once_training_runs_and_take_lost_workers_places(ray_l
     """No spare while the workers build their task and take their first step (it would
     import torch on their cores); failure.warm_spares of them once a step is reported; lost
     workers' places go to them, not to cold starts, which take over with the model and
-    optimizer they built while they waited (worker/warm.py)."""
+    optimizer they built while they waited (worker/process/warm.py)."""
     from raytrainer.config import load_config
     from raytrainer.driver.group import RayWorkerGroup
 
@@ -229,7 +229,7 @@ def builds(tmp_path, pids):
 
 SPARE_IMPORTS = """
 import os, sys, threading, time
-from raytrainer.worker.actor import _WarmUp
+from raytrainer.worker.process.actor import _WarmUp
 
 def nice(tid):  # field 19 of /proc/.../stat, after the command name
     text = open(f"/proc/self/task/{tid}/stat").read()
@@ -245,7 +245,7 @@ while imports._thread.is_alive():
         pass
     time.sleep(0.01)  # a busy loop here would take the CPU the nice thread waits for
 imports.wait()
-import torch._dynamo, raytrainer.worker.loop
+import torch._dynamo, raytrainer.worker.loop.loop
 print(sorted(seen), nice(threading.get_native_id()), os.nice(0))
 """
 
@@ -269,7 +269,7 @@ def test_a_hang_is_detected_its_stacks_dumped_and_the_run_recovers(undisturbed, 
     assert [(f["kind"], f["rank"]) for f in failed] == [("hung", 1), ("error", 0)]
     assert "failure.step_timeout_s" in failed[0]["cause"] and "ChaosError" in failed[1]["cause"]
     stacks = list((tmp_path / "hang").glob("stacks-rank1-step*.txt"))
-    assert len(stacks) == 1 and "raytrainer/worker/chaos.py" in stacks[0].read_text()  # where it hung
+    assert len(stacks) == 1 and "raytrainer/worker/loop/chaos.py" in stacks[0].read_text()  # where it hung
     # Beside them, torch's flight record of its last collectives (Gloo here; NCCL on GPUs).
     # torch < 2.8 records NCCL's only (.ci/oldest.sh runs 2.7).
     from raytrainer.worker import _internals

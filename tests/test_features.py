@@ -8,8 +8,9 @@ import torch
 from raytrainer.config import EarlyStoppingConfig, LRScheduleConfig, TrainerConfig
 from raytrainer.data import BatchPlan
 from raytrainer.errors import ConfigError, NonFiniteLoss
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
-from raytrainer.worker.schedule import lr_multiplier
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
+from raytrainer.worker.loop.schedule import lr_multiplier
 
 from .tasks import FeatureTask, RegressionTask
 

@@ -18,7 +18,7 @@ import yaml
 import raytrainer
 from raytrainer.config.failure import AUTO_FIRST
 from raytrainer.worker import scratch
-from raytrainer.worker.userloop import LoopContext
+from raytrainer.worker.userloop.userloop import LoopContext
 
 from .conftest import ROOT, assert_no_leaks
 from .faults import Run, kill
@@ -128,7 +128,7 @@ class FakeContext:
         self._loop = types.SimpleNamespace(sampled=lambda: None)  # what LoopContext.sampler counts on
 
     def report(self, metrics, state=None, checkpoint=None):
-        from raytrainer.worker.userloop import _copy_state
+        from raytrainer.worker.userloop.userloop import _copy_state
 
         self.reports.append((dict(metrics), state and _copy_state(state), checkpoint))
 

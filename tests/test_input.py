@@ -17,8 +17,9 @@ import torch
 from raytrainer.config import DataConfig, TrainerConfig, load_config
 from raytrainer.data import BatchPlan, fetch
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.worker.input import LoaderProcessDied, MapInput, StreamInput, _PlanSampler
-from raytrainer.worker.loop import Loop, LoopSettings
+from raytrainer.worker.input.input import LoaderProcessDied, MapInput, StreamInput, PlanSampler
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings
 
 from .conftest import assert_no_loader_processes
 from .ray_procs import SESSION_TAG, live_processes, short_temp_dir
@@ -40,7 +41,7 @@ def same(a, b):
 
 def test_the_sampler_yields_the_plans_micro_batches_across_epochs():
     plan = BatchPlan(50, 16, 5, 2, seed=3)  # 3 steps an epoch, 2 samples dropped
-    sampler = _PlanSampler(plan, rank=1)
+    sampler = PlanSampler(plan, rank=1)
     sampler.epoch, sampler.position = 0, 32  # the last step of epoch 0
     got = [index for _, index in zip(range(3 * plan.accumulation), sampler)]
     want = [i.tolist() for epoch, position in ((0, 32), (1, 0), (1, 16))
@@ -171,7 +172,8 @@ def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_f
     monkeypatch.setenv(SESSION_TAG, uuid.uuid4().hex)  # this test's processes apart from any other's
     script = ("import torch\n"
               "from raytrainer.config import DataConfig, TrainerConfig\n"
-              "from raytrainer.worker.loop import Loop, LoopSettings\n"
+              "from raytrainer.worker.loop.loop import Loop\n"
+              "from raytrainer.worker.loop.settings import LoopSettings\n"
               "from tests.tasks import RegressionTask\n"
               "if __name__ == '__main__':\n"
               "    cfg = LoopSettings(trainer=TrainerConfig(max_steps=100000, global_batch_size=16, micro_batch_size=8),\n"
@@ -188,7 +190,7 @@ def test_a_worker_killed_as_its_loader_processes_read_leaves_no_process_and_no_f
 
     try:
         deadline = Deadline(120)
-        while len([c for _, c in others() if b"raytrainer.worker.input" in c]) < 3:  # the fork server, 2 loaders
+        while len([c for _, c in others() if b"raytrainer.worker.input.input" in c]) < 3:  # the fork server, 2 loaders
             assert worker.poll() is None, errors.read_text()
             assert not deadline.passed(), f"no loader processes started: {others()}"
             time.sleep(0.1)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from raytrainer.driver import _internals as driver_internals
 from raytrainer.worker import _internals
-from raytrainer.worker.actor import _peer_failure
+from raytrainer.worker.process.actor import _peer_failure
 
 from .ray_procs import free_ports
 from .waits import wait_until
@@ -341,6 +341,26 @@ def test_the_flight_recorder_and_the_scalers_device_are_where_they_were():
             "the record of a hung worker's collectives (_internals.flight_recorder_dump)")
     assert _internals.grad_scaler_device(torch.amp.GradScaler("cpu")) == "cpu", (
         f"{TORCH} removed GradScaler._device, which raytrainer uses for a fresh scaler after an interrupted step")
+
+
+def test_a_dataloader_still_keeps_its_persistent_iterator_where_raytrainer_takes_it():
+    """_internals.take_loader_iterator: a loader with persistent_workers keeps its iterator
+    (and its processes) in its private _iterator, reused by the next __iter__."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="spawn")
+    assert _internals.take_loader_iterator(loader) is None  # none made yet
+    try:
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        kept = _internals.take_loader_iterator(loader)
+    finally:
+        _internals.shutdown_loader_iterator(getattr(loader, "_iterator", None))
+    assert kept is not None, (f"{TORCH} no longer keeps a persistent_workers DataLoader's iterator in "
+                              "DataLoader._iterator, which raytrainer stops the loader processes through "
+                              "(_internals.take_loader_iterator)")
+    _internals.shutdown_loader_iterator(kept)
+    assert _internals.take_loader_iterator(loader) is None  # taken: the loader holds it no more
 
 
 def test_ddp_still_rebuilds_its_buckets_through_the_reducer_hook():

@@ -1,5 +1,5 @@
 """Worker processes kept from a finished run for the next run of the same driver process
-(driver/group/kept.py, worker/keeping.py): taken, they train as fresh ones do; a process
+(driver/group/kept.py, worker/process/keeping.py): taken, they train as fresh ones do; a process
 that holds something of its run, or whose code changed, is never taken."""
 
 import importlib
@@ -14,7 +14,7 @@ import torch
 
 import raytrainer
 from raytrainer.driver.group import kept
-from raytrainer.worker import keeping
+from raytrainer.worker.process import keeping
 
 from .conftest import assert_no_leaks
 from .waits import wait_until

@@ -7,7 +7,8 @@ import torch
 
 from raytrainer.config import TrainerConfig
 from raytrainer.errors import ConfigError, TaskError
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 
 from .tasks import RegressionTask
 
@@ -150,8 +151,8 @@ def test_a_worker_taken_while_it_builds_ahead_leaves_its_object_store_alone(tmp_
     import threading
 
     from raytrainer.config import load_config
-    from raytrainer.worker import warm
-    from raytrainer.worker.actor import _WarmUp
+    from raytrainer.worker.process import warm
+    from raytrainer.worker.process.actor import _WarmUp
 
     cfg = load_config({"task": {"target": "tests.tasks:RegressionTask"}, "trainer": {"max_steps": 4},
                        "scaling": {"num_workers": 1}, "run": {"name": "r", "storage": str(tmp_path)}})
@@ -174,10 +175,10 @@ def test_a_worker_taken_while_it_builds_ahead_leaves_its_object_store_alone(tmp_
 
 def test_a_training_state_built_ahead_is_the_one_setup_builds_and_a_loaded_state_goes_on_over_it(tmp_path):
     """A spare, a replacement or a newcomer builds the task's model and optimizer as it
-    starts (worker/warm.py), and its setup adopts them where it loads a survivor's state."""
+    starts (worker/process/warm.py), and its setup adopts them where it loads a survivor's state."""
     from raytrainer.config import load_config
-    from raytrainer.worker.transfer import pack
-    from raytrainer.worker.warm import adopt, prebuild
+    from raytrainer.worker.state.transfer import pack
+    from raytrainer.worker.process.warm import adopt, prebuild
 
     cfg = load_config({"task": {"target": "tests.tasks:RegressionTask"},
                        "trainer": {"max_steps": 4, "global_batch_size": 32},

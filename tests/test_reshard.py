@@ -1,18 +1,19 @@
-"""Re-sharding FSDP state from peer snapshots onto another world size (worker/reshard.py),
+"""Re-sharding FSDP state from peer snapshots onto another world size (worker/state/reshard.py),
 on local Gloo processes (no Ray; the same through Ray with kills from outside is
 test_fsdp's): 4 ranks snapshot, 2 or 3 go on from every rank's snapshot, and the run ends
 within float tolerance of an undisturbed one (the same global batch and sample order; only
 the order of the sums over ranks differs). The same for your own loop under FSDP
-(worker/loopshards.py): its report's state is put back together from every rank's pieces."""
+(worker/userloop/loopshards.py): its report's state is put back together from every rank's pieces."""
 
 import pytest
 import torch
 
 from raytrainer.config import TrainerConfig
 from raytrainer.contract import Reshard
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
-from raytrainer.worker.reshard import reshard
-from raytrainer.worker.snapshot import PeerSnapshots
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
+from raytrainer.worker.state.reshard import reshard
+from raytrainer.worker.state.snapshot import PeerSnapshots
 
 from .dist_procs import run_ranks
 from .ray_procs import free_ports
@@ -94,7 +95,7 @@ def _offsets_after_renumbering(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from raytrainer.worker.sharded import default_mesh
+    from raytrainer.worker.state.sharded import default_mesh
 
     def offset():
         weight = fully_shard(torch.nn.Linear(4, 4 * world), mesh=default_mesh("cpu")).weight
@@ -139,7 +140,7 @@ def _user_loop(rank, world, steps, snapshots, state=None):
     from functools import partial
 
     from raytrainer.config import load_config
-    from raytrainer.worker.userloop import UserLoop
+    from raytrainer.worker.userloop.userloop import UserLoop
 
     from .tasks import sharded_regression_loop
 

@@ -1,4 +1,4 @@
-"""trainer.nonfinite: rollback (worker/rollback.py): a poisoned batch is undone by going
+"""trainer.nonfinite: rollback (worker/loop/rollback.py): a poisoned batch is undone by going
 back to a state kept in memory and past the batches since, on every rank alike."""
 
 import pytest
@@ -6,8 +6,9 @@ import torch
 
 from raytrainer.config import LRScheduleConfig, TrainerConfig
 from raytrainer.errors import ConfigError, NonFiniteLoss
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
-from raytrainer.worker.snapshot import PeerSnapshots
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
+from raytrainer.worker.state.snapshot import PeerSnapshots
 
 from .tasks import SpikedRecordTask
 
@@ -110,7 +111,7 @@ def test_a_stream_moves_past_the_items_of_the_steps_rolled_back():
 
 def test_a_new_group_keeps_nothing_from_before_it_and_keeps_a_state_at_its_first_boundary():
     """Survivors and a replacement (which holds nothing) must go back to the same step."""
-    from raytrainer.worker.rollback import KeptState
+    from raytrainer.worker.loop.rollback import KeptState
 
     kept = KeptState(4, None)
     assert not kept.due(0) and kept.due(1)  # step 0's fresh optimizer has another shape

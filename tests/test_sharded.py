@@ -1,4 +1,4 @@
-"""raytrainer.worker.sharded on 1 to 3 local Gloo processes (no Ray).
+"""raytrainer.worker.state.sharded on 1 to 3 local Gloo processes (no Ray).
 
 Every comparison between a sharded run and a one-process run uses the same initial
 weights (same seed), the same global batches (each rank takes its contiguous slice,
@@ -53,7 +53,7 @@ def local_batch(step: int, rank: int, world_size: int):
 
 
 def sharded_step(model, optimizer, x, y, *, micro: int = 1, clip: float | None = None):
-    from raytrainer.worker.sharded import clip_grad_norm, set_gradient_sync
+    from raytrainer.worker.state.sharded import clip_grad_norm, set_gradient_sync
 
     for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
         set_gradient_sync(model, i == micro - 1)  # reduce-scatter on the last only
@@ -90,7 +90,7 @@ def _train(rank, world_size, tmp):
     import torch.distributed as dist
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from raytrainer.worker.sharded import ShardedEMA, full_model_state, local_param_bytes, shard_model
+    from raytrainer.worker.state.sharded import ShardedEMA, full_model_state, local_param_bytes, shard_model
 
     reduce_scatters = 0
     # What FSDP2 calls, looked up at call time: reduce_scatter_single on torch 2.13,
@@ -197,7 +197,7 @@ SAVE_AT, END = 2, 4
 
 
 def _state(model, optimizer, scheduler, ema, step):
-    from raytrainer.worker.sharded import get_train_state
+    from raytrainer.worker.state.sharded import get_train_state
 
     return {**get_train_state(model, optimizer), "ema": ema.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -222,7 +222,7 @@ def _continue(model, optimizer, scheduler, ema, rank, world_size, start):
 
 
 def _build():
-    from raytrainer.worker.sharded import ShardedEMA, shard_model
+    from raytrainer.worker.state.sharded import ShardedEMA, shard_model
 
     model = shard_model(make_model())
     optimizer = make_optimizer(model)
@@ -232,7 +232,7 @@ def _build():
 
 def _save_run(rank, world_size, root):
     from raytrainer.checkpoint import Storage
-    from raytrainer.worker.sharded import AsyncShardedSaver, full_model_state, save_sharded
+    from raytrainer.worker.state.sharded import AsyncShardedSaver, full_model_state, save_sharded
 
     model, optimizer, scheduler, ema = _build()
     for step in range(SAVE_AT):
@@ -256,7 +256,7 @@ def _save_run(rank, world_size, root):
 
 def _load_run(rank, world_size, uri, rel):
     from raytrainer.checkpoint import Storage
-    from raytrainer.worker.sharded import full_model_state, load_sharded, local_param_bytes, set_train_state
+    from raytrainer.worker.state.sharded import full_model_state, load_sharded, local_param_bytes, set_train_state
 
     model, optimizer, scheduler, ema = _build()
     state = _state(model, optimizer, scheduler, ema, step=0)
@@ -321,7 +321,7 @@ def test_load_async_checkpoint_on_three_ranks_from_file_uri(saved):
 
 def test_load_refuses_an_incomplete_checkpoint(tmp_path):
     from raytrainer.checkpoint import Storage
-    from raytrainer.worker.sharded import load_sharded
+    from raytrainer.worker.state.sharded import load_sharded
 
     (tmp_path / "partial").mkdir()
     (tmp_path / "partial" / "__0_0.distcp").write_bytes(b"x")
@@ -333,7 +333,7 @@ def test_s3_round_trip_in_one_process(s3_server):
     """DCP through pyarrow's S3 filesystem (moto's server), without a process group: an
     unsharded model and optimizer, plain values, an existing checkpoint overwritten."""
     from raytrainer.checkpoint import Storage
-    from raytrainer.worker.sharded import get_train_state, load_sharded, save_sharded, set_train_state
+    from raytrainer.worker.state.sharded import get_train_state, load_sharded, save_sharded, set_train_state
 
     model = make_model()
     optimizer = make_optimizer(model)
@@ -355,7 +355,7 @@ def test_s3_round_trip_in_one_process(s3_server):
 
 
 def test_metadata_unpickler_builds_no_code():
-    from raytrainer.worker.sharded import _MetadataUnpickler
+    from raytrainer.worker.state.sharded import _MetadataUnpickler
 
     class Evil:
         def __reduce__(self):
@@ -369,7 +369,7 @@ def test_metadata_unpickler_builds_no_code():
 
 
 def _mixed(rank, world_size):
-    from raytrainer.worker.sharded import shard_model
+    from raytrainer.worker.state.sharded import shard_model
 
     out = {}
     # bf16 compute and bf16 reduce-scatter on Gloo.
@@ -416,7 +416,7 @@ def test_mixed_precision_on_gloo(trained):
 
 
 def test_units():
-    from raytrainer.worker.sharded import _units
+    from raytrainer.worker.state.sharded import _units
 
     class Block(nn.Module):
         def __init__(self):

@@ -10,10 +10,11 @@ from raytrainer.config import FailureConfig, TrainerConfig
 from raytrainer.config.failure import AUTO_FIRST, AUTO_MOST, auto_interval
 from raytrainer.contract import Holdings
 from raytrainer.errors import ConfigError
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 from raytrainer.driver.policy import SnapshotChoice, choose_snapshot
-from raytrainer.worker import snapshot as snapshot_module
-from raytrainer.worker.snapshot import PeerSnapshots, check_memory
+from raytrainer.worker.state import snapshot as snapshot_module
+from raytrainer.worker.state.snapshot import PeerSnapshots, check_memory
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask
@@ -177,7 +178,7 @@ def test_the_auto_interval_follows_the_agreed_cost_of_a_copy():
     """The decision snapshot_every_n_steps: auto and ctx.state_due (the integrations'
     state_every="auto") share: AUTO_FIRST steps until a step time is agreed, then the
     interval at which copies take AUTO_BUDGET of the time."""
-    from raytrainer.worker.snapshot import AutoInterval
+    from raytrainer.worker.state.snapshot import AutoInterval
 
     interval = AutoInterval()
     assert interval.due(1)

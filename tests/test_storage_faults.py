@@ -231,7 +231,7 @@ def test_a_task_whose_init_raises_fails_at_once_naming_the_task_and_the_tracebac
 
 
 def test_the_requests_ride_the_reduction_as_one_number_that_keeps_both():
-    from raytrainer.worker.window import decode_flags, encode_flags
+    from raytrainer.worker.state.carrier import decode_flags, encode_flags
 
     for world in (1, 2, 3, 8, 512):
         for pauses in sorted({0, 1, world}):
@@ -242,7 +242,7 @@ def test_the_requests_ride_the_reduction_as_one_number_that_keeps_both():
 
 
 def test_the_time_trigger_backs_off_after_a_failed_save_and_never_waits_longer_than_the_interval(tmp_path):
-    from raytrainer.worker.saver import CheckpointSaver
+    from raytrainer.worker.state.saver import CheckpointSaver
 
     from .writers import FailingCheckpoints
 

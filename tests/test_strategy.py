@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from raytrainer.config import TrainerConfig
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask
@@ -114,7 +115,7 @@ def test_fsdp_on_a_torch_too_old_for_it_is_a_config_error_naming_the_version(mon
     from torch.torch_version import TorchVersion
 
     from raytrainer.errors import ConfigError
-    from raytrainer.worker.strategy import FSDP, build_strategy
+    from raytrainer.worker.state.strategy import FSDP, build_strategy
 
     if torch.__version__ >= FSDP.NEEDS_TORCH:
         monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1"))

@@ -377,7 +377,7 @@ def test_ctx_state_due_is_the_auto_interval_of_the_reports_with_state():
     (the third copy's interval follows from it: config.failure.auto_interval)."""
     from raytrainer.config import load_config
     from raytrainer.config.failure import AUTO_FIRST
-    from raytrainer.worker.userloop import UserLoop
+    from raytrainer.worker.userloop.userloop import UserLoop
 
     carried = []
 

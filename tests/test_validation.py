@@ -1,4 +1,4 @@
-"""trainer.validation: async validation on validation actors (worker/validation.py), on a
+"""trainer.validation: async validation on validation actors (worker/loop/validation.py), on a
 local Ray, 2 Gloo workers; the config's two names for one setting, without Ray."""
 
 import json

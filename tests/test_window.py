@@ -1,5 +1,5 @@
 """Per-step metrics under DDP on two local Gloo processes (no Ray): each step's metrics
-ride on its gradient all-reduce (window.Carrier), and give what a collective of their own
+ride on its gradient all-reduce (state/carrier.py: Carrier), and give what a collective of their own
 gave, without touching the gradients."""
 
 import time
@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from raytrainer.config import TrainerConfig
 from raytrainer.contract import COMPUTE_KEY
-from raytrainer.worker.loop import Loop, LoopSettings, Outlets
-from raytrainer.worker.strategy import DDP
+from raytrainer.worker.loop.loop import Loop
+from raytrainer.worker.loop.settings import LoopSettings, Outlets
+from raytrainer.worker.state.strategy import DDP
 
 from .dist_procs import run_ranks
 from .tasks import RegressionTask

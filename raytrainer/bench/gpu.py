@@ -420,7 +420,7 @@ def check_async_pinned(tmp: str) -> Check:
     """checkpoint.async's copy (worker.writer.SharedState) of a GPT-2-small AdamW state on the
     GPU into host memory, pinned: the stall a save costs the training thread, against a
     synchronous torch.save of the same state."""
-    from ..worker.writer import SharedState, view
+    from ..worker.state.writer import SharedState, view
 
     model = GPT(GPT2_SMALL).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)

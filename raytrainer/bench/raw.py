@@ -130,9 +130,9 @@ def _raw_batches(spec: dict[str, Any], rank: int, world: int):
         return (rank_batch(spec, x, y, step, rank, world) for step in itertools.count())
     from torch.utils.data import DataLoader
 
-    from ..worker.input import _PlanSampler
+    from ..worker.input.input import PlanSampler
 
-    sampler = _PlanSampler(batch_plan(spec, world), rank)
+    sampler = PlanSampler(batch_plan(spec, world), rank)
     return iter(DataLoader(SlowSamples(spec), batch_sampler=sampler, num_workers=spec["input_workers"]))
 
 

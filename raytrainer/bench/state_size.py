@@ -12,7 +12,7 @@ replacement does in a recovery. Each phase timed where it runs: the holder's ser
 (and the copy into the object store), the taker's fetch from the object store,
 deserialisation and load into its model and optimizer. Two ways: `bytes`, the hand-over
 before this bench existed (torch.save to bytes, torch.load), and `packed`, today's
-(worker/transfer.py: numpy views, one copy in, one copy out). The driver never fetches the
+(worker/state/transfer.py: numpy views, one copy in, one copy out). The driver never fetches the
 state.
 
 `kill`: a run of that model on 2 CPU workers (default settings, `failure.warm_spares` as
@@ -108,7 +108,7 @@ class _Holder:
             torch.save(state, buffer)
             out: Any = buffer.getvalue()
         else:
-            from ..worker.transfer import pack
+            from ..worker.state.transfer import pack
 
             out = pack(state)
         return {"serialise_s": time.perf_counter() - t0, "given_at": time.time()}, out
@@ -123,7 +123,7 @@ class _Taker(_Holder):
         if how == "bytes":
             loaded = torch.load(io.BytesIO(state), weights_only=True)
         else:
-            from ..worker.transfer import unpack
+            from ..worker.state.transfer import unpack
 
             loaded = unpack(state)
         t1 = time.perf_counter()

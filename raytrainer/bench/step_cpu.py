@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], chunk: int, ro
     import torch.distributed as dist
 
     from ..config import TrainerConfig
-    from ..worker.loop import Loop, LoopSettings, Outlets
+    from ..worker.loop.loop import Loop
+    from ..worker.loop.settings import LoopSettings, Outlets
     from .job import BenchTask, build_mlp, make_data, make_optimizer, rank_batch, sgd_step
 
     torch.set_num_threads(1)
@@ -67,8 +68,8 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], chunk: int, ro
     def ours() -> float:
         start = time.process_time()
         for _ in range(chunk):
-            if loop._after_pending:  # what Loop.fit does between steps: the flush, the epoch's end
-                loop._after_step()
+            if loop.after_pending:  # what Loop.fit does between steps: the flush, the epoch's end
+                loop.after_step()
             loop.train_step()
         rows.clear()
         return time.process_time() - start

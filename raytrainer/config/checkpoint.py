@@ -35,7 +35,7 @@ class CheckpointConfig:
     async_save: bool = field(default=False, metadata={"key": "async"})
     """`async: true`: the training thread only copies the state (into shared memory; from a
     GPU, a pinned non-blocking copy) and a process of its own at low priority serialises and
-    writes it (DDP: worker/writer.py; FSDP: torch.distributed.checkpoint's async_save, on a
+    writes it (DDP: worker/state/writer.py; FSDP: torch.distributed.checkpoint's async_save, on a
     thread). One save at a time. A failed save (sync or async) is skipped with a warning
     and a checkpoint_failed event, and training goes on; only the final one must succeed."""
 

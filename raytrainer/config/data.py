@@ -10,7 +10,7 @@ from . import source
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """How each rank reads its training and validation micro-batches (see raytrainer/worker/input.py).
+    """How each rank reads its training and validation micro-batches (see raytrainer/worker/input/input.py).
     Loader processes only fetch what the sample order (data.BatchPlan) names, so the order,
     resume, recovery and resizes are the same with or without them."""
 

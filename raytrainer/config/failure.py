@@ -19,7 +19,7 @@ AUTO_MOST = 1000
 
 def auto_interval(every: int, cost_s: float, step_s: float) -> int:
     """The interval (steps) to snapshot at after `every`: the one at which snapshots costing
-    `cost_s` each take AUTO_BUDGET of steps of `step_s` (worker/snapshot.py measures both),
+    `cost_s` each take AUTO_BUDGET of steps of `step_s` (worker/state/snapshot.py measures both),
     once it is over half as long again as `every` or under two thirds of it (the measures
     vary from one snapshot to the next: the interval does not follow them); `every` while
     no step time is measured."""

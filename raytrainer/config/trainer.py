@@ -71,7 +71,7 @@ class CompileConfig:
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     backend: str = "inductor"
     """A torch.compile backend name (inductor, aot_eager, eager, ...); inductor's compiled
-    artifacts are cached for the run's other workers (worker/compiling.py)."""
+    artifacts are cached for the run's other workers (worker/loop/compiling.py)."""
     dynamic: bool | None = None
     """null: torch's default (static shapes, dynamic after a second shape is seen)."""
     fullgraph: bool = False
@@ -84,7 +84,7 @@ class CompileConfig:
 
 @dataclass(kw_only=True)
 class ValidationConfig:
-    """trainer.validation: when validation runs, and where (see worker/validation.py)."""
+    """trainer.validation: when validation runs, and where (see worker/loop/validation.py)."""
 
     every_n_steps: int | None = None
     """Validate every N optimizer steps (besides at every epoch end and the run's end);
@@ -174,7 +174,7 @@ class TrainerConfig:
     dropped on every rank and counted ('nonfinite_skips', a nonfinite_skipped event); more
     than nonfinite_max_skips in a row stop the run. rollback: every rank goes back to the
     state it keeps in memory (every failure.snapshot_every_n_steps steps), the data moves past
-    the batches since, and the run goes on (a rolled_back event; see worker/rollback.py). off:
+    the batches since, and the run goes on (a rolled_back event; see worker/loop/rollback.py). off:
     no check (fp16's scaler still skips steps whose gradients overflow)."""
     nonfinite_max_skips: int = 10
     """trainer.nonfinite=skip: how many non-finite steps in a row are skipped before the run stops."""

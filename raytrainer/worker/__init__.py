@@ -5,14 +5,14 @@ never imports anything under `raytrainer.driver`: it answers the driver through 
 methods `raytrainer.contract` lists (tested in tests/test_layout.py). The loop and what it
 uses know no Ray.
 
-    actor        the Worker actor: setup, run, the control calls, state transfer
-    loop         the step and epoch loop (plain torch)
-    state        the training state: model, optimizer, scheduler, scaler, EMA
-    strategy     DDP or FSDP2, chosen by trainer.strategy; sharded: FSDP2's pieces
-    window       metrics reduced across ranks, carried in DDP's gradient all-reduce
-    input        loader processes over the BatchPlan; raydata: Ray Data streams
-    saver        checkpoints written by the workers (sync or async)
-    snapshot     peer snapshots of sharded state in host memory
-    dist         process groups: form, leave, abort
-    chaos, schedule, stopping, syncbn
+Sub-packages by concern, in their one import direction: each imports only those after it
+(tests/test_worker_layout.py holds it), never one before, not even for type checking.
+
+    process/     the Worker actor and its control channel: setup, forming, kept and orphaned processes
+    userloop/    your own loop (task.loop): fn(ctx), and the sharded state it saves
+    loop/        a Task's step and epoch loop (plain torch): step, validation, metrics, recovery
+    input/       loader processes over the BatchPlan; Ray Data streams
+    state/       the training state: DDP/FSDP2, snapshots, copies, hand-over, checkpoints
+    (this level) the base every package may use: _internals (the gateway to private torch
+                 and Ray names), dist (process groups), busy, scratch, pids, loaders
 """

@@ -189,6 +189,12 @@ FLIGHT_RECORDER_ENTRIES = 2000
 _ABORTED: list[dist.ProcessGroup] = []  # groups left after a failure (leave_group)
 
 
+def groups_left() -> bool:
+    """Whether this process still holds a process group: the one it is in, or one it left
+    after a failure (aborted and kept, never destroyed: leave_group)."""
+    return dist.is_initialized() or bool(_ABORTED)
+
+
 def leave_group(failed: bool = False) -> None:
     """Leave the process group. After a failure the group is aborted, never destroyed:
     destroying it blocks while a collective is pending, on NCCL when a peer is gone, and

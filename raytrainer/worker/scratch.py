@@ -8,7 +8,7 @@ folder removes every folder whose process is gone (a replacement, the next run's
 A Trainer's checkpoints left by each kill (a real model's, each the size of its state) would
 otherwise fill the node's temp disk run after run.
 
-A worker's multiprocessing sockets (its loader processes' fork server, input.loader_context)
+A worker's multiprocessing sockets (its loader processes' fork server, loaders.loader_context)
 are made in such a folder too, for the same reason."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .control import running
+from .pids import running
 
 ROOT = "raytrainer-scratch"
 
@@ -32,6 +32,25 @@ def make() -> Path:
     host = socket.gethostname()
     sweep(root, host)
     return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}@{host}.", dir=root))
+
+
+class Folder:
+    """One scratch folder, made when first asked for (`path`) and removed by `remove`: your
+    loop's ctx.scratch_dir, which the UserLoop that hands it to ctx removes when fn ends."""
+
+    def __init__(self):
+        self._path: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            self._path = make()
+        return self._path
+
+    def remove(self) -> None:
+        """Remove it, if it was made (the loop's own files: what it keeps it has committed)."""
+        if self._path is not None:
+            shutil.rmtree(self._path, ignore_errors=True)
 
 
 def sweep(root: Path, host: str) -> list[Path]:
