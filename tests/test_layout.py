@@ -272,6 +272,50 @@ def test_the_cycle_check_finds_what_it_must():
     assert _imports(PACKAGE / "worker" / "probe.py", code) >= {"raytrainer.checkpoint"}
 
 
+# The worker's sub-packages, top to bottom (docs/design.md, "The import graph"): each imports
+# only those after it. "" is the base, the modules at worker/'s top level (_internals, dist,
+# ...). input/ and state/ do not meet.
+WORKER_ORDER = ["process", "userloop", "loop", "input", "state", ""]
+WORKER_APART = {("input", "state"), ("state", "input")}
+
+
+def _worker_package(module: str) -> str | None:
+    """The sub-package of a worker module ("" for the base); None outside the worker."""
+    if not module.startswith("raytrainer.worker."):
+        return None
+    rest = module.removeprefix("raytrainer.worker.")
+    head = rest.split(".")[0]
+    return head if head in WORKER_ORDER and "." in rest else ""
+
+
+def _against_the_direction(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for name, targets in sorted(graph.items()):
+        mine = _worker_package(name)
+        for target in sorted(targets):
+            theirs = _worker_package(target)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            if WORKER_ORDER.index(theirs) < WORKER_ORDER.index(mine) or (mine, theirs) in WORKER_APART:
+                wrong.append(f"{name} ({mine or 'base'}) imports {target} ({theirs or 'base'})")
+    return wrong
+
+
+def test_the_workers_sub_packages_import_only_downwards():
+    wrong = _against_the_direction(_graph())
+    assert wrong == [], "imports against the worker's one direction:\n" + "\n".join(wrong)
+
+
+def test_the_direction_check_finds_what_it_must():
+    graph = {"raytrainer.worker.state.saver": {"raytrainer.worker.loop.loop", "raytrainer.worker.dist"},
+             "raytrainer.worker.input.input": {"raytrainer.worker.state.state"},
+             "raytrainer.worker.dist": {"raytrainer.worker.pids"},
+             "raytrainer.worker.process.actor": {"raytrainer.worker.loop.loop"}}
+    assert _against_the_direction(graph) == [
+        "raytrainer.worker.input.input (input) imports raytrainer.worker.state.state (state)",
+        "raytrainer.worker.state.saver (state) imports raytrainer.worker.loop.loop (loop)"]
+
+
 # Reaching another object's private members, or importing another module's private name,
 # is allowed only for the gateways themselves (`from . import _internals`) and for names
 # the standard library documents as public.

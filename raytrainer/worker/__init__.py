@@ -6,7 +6,7 @@ methods `raytrainer.contract` lists (tested in tests/test_layout.py). The loop a
 uses know no Ray.
 
 Sub-packages by concern, in their one import direction: each imports only those after it
-(tests/test_worker_layout.py holds it), never one before, not even for type checking.
+(tests/test_layout.py holds it), never one before, not even for type checking.
 
     process/     the Worker actor and its control channel: setup, forming, kept and orphaned processes
     userloop/    your own loop (task.loop): fn(ctx), and the sharded state it saves
