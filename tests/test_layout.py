@@ -105,7 +105,7 @@ def test_the_driver_does_not_load_torch_or_the_worker_package():
 
 INTERNALS = {"raytrainer.worker._internals", "raytrainer.driver._internals"}
 # Underscored but documented as public by the standard library, and threading's class of
-# the threads it did not start (worker/keeping.py: Ray's own, told from a run's).
+# the threads it did not start (worker/process/keeping.py: Ray's own, told from a run's).
 STDLIB = {"sys._current_frames", "os._exit", "threading._DummyThread"}
 
 

@@ -417,7 +417,7 @@ def check_kill(tmp: str) -> Check:
 
 
 def check_async_pinned(tmp: str) -> Check:
-    """checkpoint.async's copy (worker.writer.SharedState) of a GPT-2-small AdamW state on the
+    """checkpoint.async's copy (worker.state.writer.SharedState) of a GPT-2-small AdamW state on the
     GPU into host memory, pinned: the stall a save costs the training thread, against a
     synchronous torch.save of the same state."""
     from ..worker.state.writer import SharedState, view

@@ -152,7 +152,7 @@ def train_loop(fn: Any, config: str | Path | dict[str, Any] | None = None, overr
     """Run your own training loop, `fn(ctx, **args)`, on every worker with the process group
     formed, and return what train() returns. `config` is train()'s without a task section
     (a YAML path or a dict; trainer, scaling, failure, checkpoint, run, loggers). `ctx`
-    (worker.userloop.LoopContext) gives the rank, world size, local rank, device, the step
+    (worker.userloop.userloop.LoopContext) gives the rank, world size, local rank, device, the step
     and epoch to start from, and `ctx.report(metrics, state=..., checkpoint=...)`; after a
     failure fn runs again with `ctx.state` from a survivor's memory. The function is
     shipped to the workers by value where they cannot import it by name."""

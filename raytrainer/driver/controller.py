@@ -31,7 +31,7 @@ and a copy of its neighbour's in memory, snapshot.py), the replacements taking t
 copies, and replays the steps since; where no snapshot serves (a worker lost with the
 neighbour holding its copy) it restarts from the newest checkpoint. With
 failure.recovery fast it does not wait for the lost workers' replacements either: every
-worker of the smaller group re-shards the snapshots (worker/reshard.py), and a resize
+worker of the smaller group re-shards the snapshots (worker/state/reshard.py), and a resize
 re-shards the same way from the snapshots the workers keep as they pause (with snapshots
 off, it restarts from the checkpoint they wrote, which reshards on load). In an elastic run a lost
 worker that cannot be replaced in time is dropped (the group shrinks), and when

@@ -17,7 +17,7 @@ stand in the way of a Ray the user starts: it takes none of the fixed ports `ray
 --head` takes by default (its dashboard agent runs minimal, with no HTTP server:
 _internals.minimal_dashboard_agent), and its keeper works in its own temp
 dir, not in the directory of the run that started it (a run's workers work in their run's:
-worker/actor.py).
+worker/process/actor.py).
 
 A run uses the kept Ray alone: it holds users.lock (flock) for as long as it is connected,
 and a run that finds it held starts a Ray of its own, as before, rather than share the

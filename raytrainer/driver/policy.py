@@ -186,7 +186,7 @@ def hand_over_by_copy(source_node: str, takers: Iterable[str | None], *, leaving
                       secured_before: bool) -> bool:
     """Whether the workers taking the state that a re-form secures before it knows who stays
     (secure_at_once) read it from the giving survivor's copy in its node's shared memory
-    (worker/copies.py) instead of the object store: where every one of them is up on that
+    (worker/state/copies.py) instead of the object store: where every one of them is up on that
     node (`takers`: each one's node; None for a replacement not up yet, its node unknown),
     nobody leaves (their replacements may be elsewhere), no joiner takes it, and no earlier
     attempt of this recovery secured it (every worker takes that one). The copy is the
@@ -204,7 +204,7 @@ def secure_where(holders: dict[int, Status], keep: Iterable[int], *, secured_bef
     there) where a kept worker holds no state (a replacement an earlier attempt started),
     one is behind, or an earlier attempt of this recovery put it there (every worker takes
     it then); else "holders" where two holders or more stay (they are the copies); else
-    "copy" (the lone holder writes its copy beside it, worker/copies.py); None for a run of
+    "copy" (the lone holder writes its copy beside it, worker/state/copies.py); None for a run of
     one worker by choice, which keeps no second copy."""
     keep = list(keep)
     at = holders[choose_source(holders)].position

@@ -3,7 +3,7 @@ waits in the collectives) stays well above the other ranks' holds every step of 
 back, since data parallelism runs at the pace of its slowest rank.
 
 The times come with the training rows, at no collective of their own (contract.COMPUTE_KEY,
-measured in worker/window.py). At every step, the last 2 x failure.straggler_window steps
+measured in worker/loop/window.py). At every step, the last 2 x failure.straggler_window steps
 are judged as two blocks: a rank is slow in a block when its total is at least
 failure.straggler_margin times the median of the other ranks' totals (the others', so that
 of two ranks the slower one is compared with the faster one, not with their mean); it is

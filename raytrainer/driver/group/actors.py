@@ -57,7 +57,7 @@ def worker_bundle(config: Config, use_gpu: bool) -> dict[str, float]:
 def start_worker(config: Config, bundle: dict[str, float], slot: Slot, joining: bool = True) -> Any:
     """A worker for `slot`, holding its resources. `joining`: it will join a running group
     (a replacement, a newcomer), taking a survivor's state; it builds the task's training
-    state as it starts (worker/warm.py), not in the pause of the join.
+    state as it starts (worker/process/warm.py), not in the pause of the join.
 
     A CPU worker of a Task trained with DDP runs on the slot's node beside the slot's
     placement group (which holds the resources), not in it: a finished run can then keep
@@ -119,7 +119,7 @@ def _pinned(node_id: str, config: Config) -> Any:
 def outliving_the_driver(config: Config) -> dict[str, Any]:
     """A worker actor's options: detached and named (in contract.NAMESPACE), so that a
     driver's death leaves it to wait for a new driver of its run (failure.driver_grace_s,
-    worker/orphan.py), which finds it by its name; with no grace, Ray's default: it ends
+    worker/process/orphan.py), which finds it by its name; with no grace, Ray's default: it ends
     with its driver."""
     if config.failure.driver_grace_s <= 0:
         return {}
@@ -129,7 +129,7 @@ def outliving_the_driver(config: Config) -> dict[str, Any]:
 def kept_for_a_new_driver(config: Config) -> dict[str, Any]:
     """A slot's placement group options: detached with its worker (outliving_the_driver), and
     named with the run's prefix, by which the workers remove the run's groups when no new
-    driver came (worker/orphan.py) and a new driver finds them."""
+    driver came (worker/process/orphan.py) and a new driver finds them."""
     if config.failure.driver_grace_s <= 0:
         return {}
     prefix = placement_group_prefix(config.run.storage, config.run.name)

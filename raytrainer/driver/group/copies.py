@@ -2,7 +2,7 @@
 
 "Two copies, always" (DESIGN.md): when a re-formed group has one worker (a fast recovery
 down to one worker of two, its replacement still starting), that worker is the state's
-only holder. Its copy in its node's shared memory (worker/copies.py) is the second: the
+only holder. Its copy in its node's shared memory (worker/state/copies.py) is the second: the
 re-form waits for the copy of the step it re-forms at (copy_now), and the worker writes one
 at every step boundary after that (keep_copy). Where the re-form secured the state in the
 object store anyway (a worker took it from there), that is the first, and the worker's

@@ -5,7 +5,7 @@ docs/results/2026-11-29-kept-worker-processes.md).
 A run that finished hands its CPU workers' processes (and its spares') back here instead
 of killing them; the next run's workers and spares on the same node take them, each made
 a fresh Worker of that run (`renew`), before any new process is started. What a process
-must be to be kept, and when it is not taken, is worker/keeping.py's.
+must be to be kept, and when it is not taken, is worker/process/keeping.py's.
 
 Kept processes hold no resources (a CPU worker runs pinned to its slot's node, beside the
 slot's placement group, which holds the slot's resources: actors.start_worker). They go

@@ -1,4 +1,4 @@
-"""The workers a lost driver of a run left (worker/orphan.py), found by a new driver of the run:
+"""The workers a lost driver of a run left (worker/process/orphan.py), found by a new driver of the run:
 taken over where every rank holds the same paused step, else ended.
 
 A driver that died without stopping its workers leaves them detached, named in

@@ -206,7 +206,7 @@ def from_peers(group: RayWorkerGroup, dead: list[int], regrow: list[int] = (), g
     `grow` adds the workers ready to join, or where a `leave` rank (alive, on a
     draining node) has no replacement up: then every rank's snapshot is secured in the
     object store and each worker of the new group re-shards from all of them
-    (worker/reshard.py)."""
+    (worker/state/reshard.py)."""
     roster = group.roster
     world = len(roster.actors)
     leave = [r for r in leave if r not in dead]

@@ -9,13 +9,13 @@ the same cores delays their set-up and first step. One used is replaced the same
 the recovered group has trained a step and no lost worker's replacement is still starting:
 at 2 GB of state on 2 cores, a spare started as the group re-formed made the first step
 after the recovery take 4.9 s against 2.7. A spare imports torch on a thread at nice 19
-(worker.actor._Imports), so that training keeps the cores meanwhile, and is ready once it
+(worker/process/actor.py, its warm-up thread), so that training keeps the cores meanwhile, and is ready once it
 answers its node() call; only a ready one is taken: one still importing at the lowest
 priority can take longer than a cold start at the workers' own on a busy machine. Before a
 recovery counts on one, it must answer again, within PING_S: a spare on a node lost a moment
 ago is gone with it while Ray still holds the node alive (for its health checks, ~15 s), and a
 recovery that took it failed and started over (2 s in a node-loss test). That answer also
-says whether it has built the task's training state ahead (worker/warm.py): one still building
+says whether it has built the task's training state ahead (worker/process/warm.py): one still building
 at nice 19 leaves the rest of its build in the recovery (seconds at 2 GB of state:
 docs/results/2026-11-27-spare-still-building.md), so where the survivors can
 go on without the lost rank (policy.replacing) only a built one is taken.
