@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 def import_dynamo() -> None:
     """Import torch._dynamo now. Every optimizer imports it as it is built (torch wraps
-    Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, which a
+    Optimizer.add_param_group in torch._disable_dynamo): about a second, which a
     worker pays at start-up (while it waits idle) instead of in a recovery's pause.
     Without it: the same import, later, inside the first optimizer's construction."""
     import torch._dynamo  # noqa: F401
@@ -38,7 +38,7 @@ def import_dynamo() -> None:
 
 def import_inductor() -> None:
     """Import torch._inductor's compiler now (trainer.compile): a new process's first
-    compile otherwise imports it inside the first step, seconds on a 2-core VM, which a
+    compile otherwise imports it inside the first step, seconds, which a
     replacement would pay in a recovery's pause. Without it: the same import, later."""
     import torch._inductor.compile_fx  # noqa: F401
 

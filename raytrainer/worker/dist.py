@@ -56,7 +56,7 @@ def host_store(addr: str, timeout_s: float) -> int:
     """Start the next group's store here (rank 0), listening now on a port the OS picks;
     return the port. The other ranks are asked to join only after this returns: a TCPStore
     client that finds no server yet retries after a backoff, which added 0.25 to 0.6 s to
-    forming a group (2 and 3 Gloo ranks, torch 2.13, a 2-core VM) whenever a peer came
+    forming a group (2 and 3 Gloo ranks, torch 2.13) whenever a peer came
     before rank 0 had started the store inside init_process_group."""
     global _hosted, _hosted_sockets
     before = _sockets()

@@ -315,8 +315,8 @@ def _replace(group: RayWorkerGroup, dead: list[int], regrow: list[int] = ()) -> 
             group.unwaited.add(roster.actors[rank])
     # Replacements of the ranks left behind start once the group has formed (_restock),
     # the next spares once it has trained a step (RayWorkerGroup.poll), not now: starting a
-    # process and importing torch took the cores the recovery needed (on 2 cores, it held
-    # up the spare taking over when that was still starting), and one started now would
+    # process and importing torch takes the cores the recovery needs (on a small machine,
+    # it held up the spare taking over when that was still starting), and one started now would
     # still be starting at a recovery's next attempt.
     return asked
 

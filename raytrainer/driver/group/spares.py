@@ -7,8 +7,8 @@ are spread over the nodes the workers run on. They start once training runs (the
 reported a step), not beside the workers' start: a process starting and importing torch on
 the same cores delays their set-up and first step. One used is replaced the same way, once
 the recovered group has trained a step and no lost worker's replacement is still starting:
-at 2 GB of state on 2 cores, a spare started as the group re-formed made the first step
-after the recovery take 4.9 s against 2.7. A spare imports torch on a thread at nice 19
+a spare started as the group re-formed slows the first steps after the recovery, which are
+the ones that count. A spare imports torch on a thread at nice 19
 (worker/process/actor.py, its warm-up thread), so that training keeps the cores meanwhile, and is ready once it
 answers its node() call; only a ready one is taken: one still importing at the lowest
 priority can take longer than a cold start at the workers' own on a busy machine. Before a

@@ -54,7 +54,7 @@ class Worker:
             os.chdir(cwd)
         # Import torch now, on every actor in parallel, not on the first call; and
         # torch._dynamo, which every optimizer imports as it is built (torch wraps
-        # Optimizer.add_param_group in torch._disable_dynamo): 1.1 s on a 2-core VM, paid
+        # Optimizer.add_param_group in torch._disable_dynamo): about a second, paid
         # here while a warm spare or a newcomer waits idle, not in the pause of a recovery
         # or a grow. A worker that will join a running group (`warm`: a replacement, a
         # newcomer; a spare) also builds the task's model and optimizer (warm.py). A
@@ -385,7 +385,7 @@ class _WarmUp:
     worker that will join a running group (`config` given) the task's training state built
     ahead and its node's object store warmed (warm.py). A worker imports at once; a warm
     spare imports on a background thread at nice 19, whose CPU goes to training first (a
-    spare's import, about 2 CPU-s on a 2-core VM at nice 0, took the cores from the
+    spare's import, CPU-seconds at nice 0, took the cores from the
     workers' first seconds of training). The build runs on that thread (a spare's) or on
     one of its own, never in the constructor: the actor answers its calls meanwhile, and a
     task that is slow to build is slow in setup, where the driver expects it. Calls that
@@ -433,7 +433,7 @@ class _WarmUp:
 
         # torch, dynamo and Ray leave ~330,000 objects to Python's cyclic GC, which walks
         # them all at each full collection: 0.43 s in the middle of a survivor's re-forming
-        # (FSDP, 4 workers on a 2-core VM), whenever the count of new objects happens to
+        # (docs/results/2026-11-27-fsdp-recovery-timings.md), whenever the count of new objects happens to
         # call for one. They live as long as the process: frozen, a collection walks only
         # what was made after them (the task's, ~10,000 in that run).
         gc.freeze()

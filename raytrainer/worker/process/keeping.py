@@ -1,9 +1,8 @@
 """A worker process kept for the next run of the same driver (driver/group/kept.py).
 
-A worker's process costs more to start than a short run costs to train: on the 2-core VM
-about 2.7 CPU-s each (torch imported 1.2-1.5 s, torch._dynamo, which every optimizer
-step imports, 1.2-1.4 s, Ray's worker 0.5), 5.5 of the 6.3 CPU-s of a 16-step run of 2
-workers. A run that finished hands its processes back instead of having them killed,
+A worker's process costs more to start than a short run costs to train: importing torch,
+torch._dynamo (which every optimizer step imports) and Ray's worker are CPU-seconds each
+process, most of a short run's CPU (docs/results/2026-11-29-kept-worker-processes.md). A run that finished hands its processes back instead of having them killed,
 and the next run in that driver process takes them: its workers' start is then the
 build of its task.
 

@@ -2,9 +2,9 @@
 
 A warm spare, a lost worker's replacement and a newcomer of a grow all take a survivor's
 state as they join. Before, each built the task's model and optimizer in its setup, inside
-the pause of the recovery or the grow, only to overwrite them with that state: 1.3-4.1 s
-for a model of 2 GB of training state on the 2-core VM (the model's initialisation, its
-memory's page faults). Such a worker builds them as it starts instead (a spare on its
+the pause of the recovery or the grow, only to overwrite them with that state: seconds
+for a model of 2 GB of training state (the model's initialisation, its memory's page
+faults). Such a worker builds them as it starts instead (a spare on its
 background thread, while the group trains), gives a torch optimizer its state's memory,
 and its setup adopts them where it loads a state: the state is copied into memory in use.
 A warm worker holds a training state's worth of memory meanwhile.
@@ -65,7 +65,7 @@ def touch_object_store(prebuilt: Prebuilt) -> None:
     """Put, and free at once, an object of the training state's size in this node's object
     store: its memory is then in use, and the state handed over through it later (a put
     by a survivor here, or a fetch from another node) is copied into it instead of into
-    fresh memory (2 GB on the 2-core VM: 2.3 s the first time, 0.3 s after). Not where it
+    fresh memory (several times slower than into memory in use). Not where it
     would take more than a third of the store (it could spill to disk)."""
     import numpy as np
     import ray

@@ -13,11 +13,10 @@ a write leaves the other turn's step, one step older, to read. Layout: a header 
 (magic, step, complete, skeleton length, then the pickled skeleton of transfer.py with each
 tensor's place), and the tensors' bytes in part files beside it, `<prefix>-<turn>.<i>`,
 written with pwrite (one kernel copy per tensor) by one thread per part. (Through a mapping
-of the file each 4 KB page took a fault, every time: 2 GB took 1.3 s where pwrite takes
-0.4-0.5 s, on the 2-core VM; a full tmpfs is then an OSError where a mapping's write was a
-SIGBUS. A tmpfs file takes one write at a time (its inode's lock): 2 GB into one file from
-2 threads took as long as from one, 0.97 s fresh and 0.51 s again; into 2 files, 0.50 and
-0.30 s.)
+of the file each 4 KB page takes a fault, every time, where pwrite copies in the kernel; a
+full tmpfs is then an OSError where a mapping's write was a SIGBUS. A tmpfs file takes one
+write at a time (its inode's lock), so two threads into one file are no faster than one,
+and into two files they are: docs/results/2026-11-26-lone-survivor-copy-pwrite.md.)
 
 Plain torch (imported where a state is packed or read) and numpy; no Ray.
 """

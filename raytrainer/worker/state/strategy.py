@@ -98,7 +98,7 @@ class DDP:
             return module
         # Wrapping broadcasts rank 0's weights to every rank (the state must be final),
         # unless every rank has them already: a re-form's or a resume's broadcast moved a
-        # third of an Adam state for nothing (1.0-3.5 s at 2 GB on the 2-core VM).
+        # third of an Adam state for nothing (seconds at 2 GB).
         ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
                                       init_sync=not synced)
         self.carrier = Carrier(device, ddp.process_group)

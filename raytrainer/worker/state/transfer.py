@@ -85,7 +85,7 @@ def unpack(packed: Packed, views: Collection[str] = ()) -> Any:
     but for the tensors under the top-level keys in `views`: those are views of the
     buffers, read-only where the buffers are (the object store's), for a caller that
     copies them where they go (a module's load_state_dict). A copy into fresh memory is
-    mostly page faults (0.7 s a GB on the 2-core VM, against 0.1 s into memory in use):
+    mostly page faults (several times a copy into memory in use):
     the weights are copied once, into the parameters, instead of twice."""
 
     def walk(obj: Any, view: bool) -> Any:

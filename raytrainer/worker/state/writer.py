@@ -15,8 +15,8 @@ its). The writer dies with its worker, mid-write too (then nothing is committed)
 of it waits on a pipe whose other end only the worker holds, and exits the process when
 that end closes (the worker is gone, however it went, or done with it).
 
-Measured (bench --scenarios stall, a 200 MB Adam checkpoint, 2-core VM): the training
-thread held 0.08-0.34 s per save against 0.66 s synchronous; docs/benchmarks.md.
+What the training thread is held per save, against a synchronous save:
+docs/benchmarks.md (the checkpoint stall).
 """
 
 from __future__ import annotations
