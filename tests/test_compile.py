@@ -11,6 +11,7 @@ import torch
 import raytrainer
 from raytrainer.config import CompileConfig, load_config
 from raytrainer.errors import ConfigError
+from raytrainer.worker.loop.compiling import run_cache_dir
 
 
 def raw(tmp_path, name, compile_, workers=2, steps=8, chaos=(), strategy="ddp", **failure):
@@ -103,3 +104,57 @@ def test_a_survivor_does_not_recompile_after_a_kill_and_a_replacement_hits_the_r
     # inductor cache, none built anew: its first step in the group compiled nothing.
     assert newcomer["compiled_graphs"] >= 1 and newcomer["new_graphs"] == 0
     assert newcomer["fx_cache_hits"] >= 1 and newcomer["fx_cache_misses"] == 0
+    # Rank 0 built the first graphs and put them in the run directory, for other nodes;
+    # the run finished, so its cache directory on this node is gone.
+    first = compiled_events(result)[0]
+    assert first["shared_bytes"] > 0 and list((result.run_dir / "compiled").glob("torch-*.bin"))
+    assert not run_cache_dir(load_config(raw(tmp_path, "kill", {}))).exists()
+
+
+# A worker on another node: its own temporary directory, so its own run cache directory.
+_COMPILE_IN_A_PROCESS = """
+import json, os, sys
+from raytrainer.config import load_config
+from raytrainer.worker.loop import compiling
+from raytrainer.worker import _internals
+config = load_config(json.loads(sys.argv[1]))
+compiling.use_run_cache(config)
+loaded = compiling.load_run_artifacts(config)
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+compiling.compiled(model, config.trainer.compile)(torch.randn(4, 8)).sum().backward()
+shared = compiling.share_run_artifacts(config.run) if sys.argv[2] == "share" else 0
+print(json.dumps({"loaded": loaded, "shared": shared, "dir": str(compiling.run_cache_dir(config)),
+                  **_internals.compile_counts()}))
+"""
+
+
+def _compile_on_a_node(cfg, node_tmp, share):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(node_tmp)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", _COMPILE_IN_A_PROCESS, json.dumps(cfg), share], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # two processes compile with inductor (its C++ build): a minute on a loaded 2-core machine
+def test_a_worker_on_another_node_takes_what_the_run_compiled_from_the_run_directory(tmp_path):
+    cfg = raw(tmp_path / "storage", "nodes", {})
+    for node in ("node-a", "node-b"):
+        (tmp_path / node).mkdir()
+    first = _compile_on_a_node(cfg, tmp_path / "node-a", "share")
+    assert first["loaded"] == 0 and first["fx_cache_misses"] >= 1 and first["shared"] > 0
+    assert list((tmp_path / "storage" / "nodes" / "compiled").glob("torch-*.bin"))
+    second = _compile_on_a_node(cfg, tmp_path / "node-b", "")
+    assert second["dir"] != first["dir"]  # another node's directory, empty before
+    assert second["loaded"] >= 1 and second["fx_cache_hits"] >= 1 and second["fx_cache_misses"] == 0
+    # A node whose directory is there already (a peer compiled or loaded): nothing loaded.
+    third = _compile_on_a_node(cfg, tmp_path / "node-b", "")
+    assert third["loaded"] == 0 and third["fx_cache_hits"] >= 1

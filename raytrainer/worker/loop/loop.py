@@ -83,6 +83,7 @@ class Loop:
         self.task, self.cfg = task, cfg
         self.rank, self.world_size, self.device = rank, world_size, device
         self._report, self.notify, self.callbacks = outlets.report, outlets.notify, outlets.callbacks
+        self._share_compiled = outlets.share_compiled
         self.sizing = sizing = Sizing.of(settings, world_size)
         self.max_steps, self.max_epochs = sizing.max_steps, sizing.max_epochs
         self.base_world_size = sizing.base_world_size  # what lr_scale scales from
@@ -232,6 +233,9 @@ class Loop:
         with self.in_phase("collective"):
             event = compile_report(self.step, self._step_seconds, self.device, self.world_size, self._graphs_at_join)
         if self.rank == 0:
+            mine = event["workers"][0]
+            if mine["new_graphs"] and (mine["fx_cache_misses"] or mine["aot_cache_misses"]):  # built, not found
+                event["shared_bytes"] = self._share_compiled()
             self.notify(event)
 
     def train_step(self) -> None:

@@ -58,3 +58,6 @@ class Outlets:
     checkpoints: Checkpoints | None = None
     chaos_claim: Callable[[int, int], bool] | None = None
     snapshots: PeerSnapshots | None = None
+    share_compiled: Callable[[], int] = field(default=lambda: 0)
+    """trainer.compile: what this process compiled, put where the run's workers on other
+    nodes find it (rank 0, once it built graphs; compiling.share_run_artifacts); the bytes."""

@@ -34,7 +34,7 @@ from ...contract import (CopiedState, Holdings, Node, Orphan, RunEnd, Reshard, S
 from ...errors import PeerFailure, RaytrainerError, WorkerError
 from ...task import build_task
 from . import building, control, keeping, orphan
-from ..loop.compiling import use_run_cache
+from ..loop.compiling import remove_run_cache, use_run_cache
 from ..state.copies import LoneCopy
 from .forming import Forming, load, resolve
 from .warm import adopt
@@ -68,7 +68,7 @@ class Worker:
         self._driver = orphan.watch_driver(self, self.config.failure.driver_grace_s)
         use_run_cache(self.config)  # trainer.compile: compiled graphs shared with the run's workers here
         self._warm_up = _WarmUp(self.config if warm or spare else None, spare=spare,
-                                compiles=self.config.trainer.compile is not None)
+                                compiles=self.config if self.config.trainer.compile is not None else None)
         self.rank: int | None = None
         self.loop = None
         # Kept across the groups this process trains in: a survivor goes back to its own
@@ -197,6 +197,7 @@ class Worker:
         leave_group()
         if self.loop.paused:
             return RunEnd("paused", self.loop.step, time=time.time())
+        remove_run_cache(self.config)  # nothing continues a finished run
         return RunEnd("finished", self.loop.step, stop_reason=self.loop.stop_reason,
                       model_uri=save_model(self.loop, self.config.run, weights) if weights is not None else None)
 
@@ -394,8 +395,10 @@ class _WarmUp:
     value is the thread's own (Linux): the process, and every thread that trains later,
     keeps the worker's."""
 
-    def __init__(self, config: Any, spare: bool, compiles: bool = False):
-        self._compiles = compiles  # trainer.compile: torch's compiler imported too
+    def __init__(self, config: Any, spare: bool, compiles: Any = None):
+        # trainer.compile (the run's config): torch's compiler imported too, and the
+        # run's compiled artifacts loaded where this is its first worker on the node
+        self._compiles = compiles
         self._thread = None
         self._prebuilt = None
         self._taken = False  # setup has taken the state: a hand-over no longer to warm the store for
@@ -423,8 +426,11 @@ class _WarmUp:
         from .. import _internals
 
         _internals.import_dynamo()
-        if self._compiles:
+        if self._compiles is not None:
+            from ..loop.compiling import load_run_artifacts
+
             _internals.import_inductor()
+            load_run_artifacts(self._compiles)
 
         from ..loop import loop  # noqa: F401
         from ..state import snapshot  # noqa: F401

@@ -28,14 +28,16 @@ def outlets(cfg: Config, *, report: Callable[[list[dict[str, Any]]], None], noti
             chaos_claim: Callable[[int, int], bool], snapshots: PeerSnapshots) -> Outlets:
     """The loop's outlets into the worker process: where its rows and events go (the
     worker's outbox), the chaos claim, the peer snapshots it keeps across groups; the
-    worker callbacks and the run's checkpoints built from `cfg`."""
+    worker callbacks, the run's checkpoints and where compiled artifacts are shared, built
+    from `cfg`."""
     from ...checkpoint import Checkpoints, Storage
+    from ..loop.compiling import share_run_artifacts
     from ..loop.settings import Outlets
 
     callbacks = Callbacks.build(cfg.callbacks, on_driver=False)
     return Outlets(report=report, notify=notify, callbacks=callbacks,
                    checkpoints=Checkpoints(Storage(cfg.run.storage), cfg.run.name, cfg.checkpoint),
-                   chaos_claim=chaos_claim, snapshots=snapshots)
+                   chaos_claim=chaos_claim, snapshots=snapshots, share_compiled=lambda: share_run_artifacts(cfg.run))
 
 
 def copied_on_load(cfg: Config) -> tuple[str, ...]:

@@ -53,6 +53,10 @@ def release(forget: Callable[[], None]) -> str | None:
         return "a process group is left"
     if "ray.data" in sys.modules:  # its coordinator actors belong to this process, and live with it
         return "Ray Data ran here"
+    from ..loop.compiling import compiled_for_a_run
+
+    if compiled_for_a_run():
+        return "it compiled for its run (torch keeps that run's compile cache for the process's life)"
     forget()
     gc.collect()
     _trim()
