@@ -316,6 +316,18 @@ def test_the_direction_check_finds_what_it_must():
         "raytrainer.worker.state.saver (state) imports raytrainer.worker.loop.loop (loop)"]
 
 
+def test_the_controller_drives_the_group_through_the_contract_only():
+    """The controller and what it is built of know the group by contract.WorkerGroup (the
+    fake group of test_controller.py is another one), never driver/group/, which api.py
+    builds and hands over."""
+    graph = _graph()
+    controller = ["controller", "recovery", "resizing", "formation", "recorder", "watchdog", "drainwatch",
+                  "stragglers", "policy"]
+    found = [f"driver.{m} imports {t}" for m in controller for t in graph[f"raytrainer.driver.{m}"]
+             if t.startswith("raytrainer.driver.group")]
+    assert found == []
+
+
 # Reaching another object's private members, or importing another module's private name,
 # is allowed only for the gateways themselves (`from . import _internals`) and for names
 # the standard library documents as public.

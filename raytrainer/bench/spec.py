@@ -42,9 +42,8 @@ class BenchSpec:
     """Ray Train's controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default 2 s).
     Each ray.train.report() puts its result in a one-slot queue that only the controller's
     poll empties, so a report every step runs at most one step per poll: a short poll is
-    Ray Train's best setting for per-step metrics. On a 2-core VM: 0.5 steps/s at 2 s, 9 at
-    0.1, 24 at 0.03, 45 to 71 at 0.01, 28 to 74 at 0.001 (65 and 74 against 60 and 71 at
-    0.01, side by side on the quietest minutes), where the poll no longer bounds it."""
+    Ray Train's best setting for per-step metrics: below about 0.01 s the poll no longer
+    bounds its steps/s (docs/results/2026-12-07-the-house.md keeps the figures)."""
     window_steps: int = 200
     """The steady-state steps/s of a train run is the median of the rates of consecutive
     windows of this many steps (from steady_from on); the report gives their spread too."""
@@ -57,9 +56,9 @@ class BenchSpec:
     steady_from: float = 0.5
     """The steady-state steps/s of a train run counts its steps from this share on. The first
     seconds of a run are start-up: Ray's daemons settle and raytrainer's warm spare imports
-    torch on the same cores. Measured on a quiet 2-core VM in 200-step windows of a
-    3000-step run: raytrainer 160-250 steps/s for its first 1200 steps, then 260-345, as raw
-    DDP's 280-440 throughout. The first tenth of the run has a figure of its own."""
+    torch on the same cores, which slows raytrainer's first steps on a small machine and
+    not raw DDP's (docs/results/2026-12-07-the-house.md keeps the figures). The first tenth
+    of the run has a figure of its own."""
     timeout_s: float = 600.0
     """Per contender run; a run past it is killed and the bench fails."""
     seed: int = 0
