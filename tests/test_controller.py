@@ -8,7 +8,8 @@ import pytest
 
 from raytrainer.config import FailureConfig
 from raytrainer.contract import Failure, Formed, Node, Poll, ReformFailed, ReformPlan, Reformed, RunEnd
-from raytrainer.driver.controller import Controller, ControllerSettings, Records, State
+from raytrainer.driver.controller import (Controller, ControllerSettings, FailedState, FinishedState, Records,
+                                         RecoveringState, ResizingState)
 from raytrainer.errors import ConfigError, WorkerError
 from raytrainer.driver.metrics import EventLog, JsonlWriter, MetricsHub
 from raytrainer.driver.policy import FailuresExceeded, poll_wait
@@ -86,7 +87,7 @@ def test_rows_reach_the_sinks_and_the_run_finishes(tmp_path):
     controller, hub, events = make(tmp_path, group)
     assert controller.run() == WEIGHTS
     hub.close(), events.close()
-    assert controller.state is State.FINISHED
+    assert controller.state == FinishedState(WEIGHTS)
     assert [r["step"] for r in read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     log = read(tmp_path / "events.jsonl")
     assert [e["event"] for e in log] == ["run_started", "group_formed", "finished"]
@@ -127,7 +128,7 @@ def test_a_worker_failure_fails_the_run_logs_it_and_shuts_down(tmp_path):
     with pytest.raises(WorkerError, match="rank 1, step 2"):
         controller.run()
     events.close()
-    assert controller.state is State.FAILED
+    assert isinstance(controller.state, FailedState) and isinstance(controller.state.error, WorkerError)
     failed = read(tmp_path / "events.jsonl")[-1]
     assert failed["event"] == "failed" and failed["rank"] == 1 and failed["step"] == 1
     assert "boom" in failed["cause"]
@@ -397,6 +398,33 @@ def test_a_worker_lost_at_the_first_poll_is_recovered_and_counted_once(tmp_path)
     events.close()
     (recovered,) = [e for e in read(tmp_path / "events.jsonl") if e["event"] == "recovered"]
     assert (recovered["failures"], recovered["steps_lost"], recovered["spares"]) == (1, 0, [1])
+
+
+def test_each_state_carries_its_data(tmp_path):
+    """A recovery sees its failures in the state, a resize when the workers paused; the end
+    holds the result (and a failure its error: test_a_worker_failure_fails_the_run_...)."""
+    same = Reformed(step=0, nodes=NODES, source=0, replaced=[1])
+    group = RegrowingGroup([Poll(failures=[died(1, step=None)]), Poll(failures=[interrupted(0, step=None)]),
+                            Poll(rows(1, 2, 3), done=True, result=WEIGHTS)], [same], spares=(1,))
+    controller, events = recovering(tmp_path, group, max_failures=1)
+    seen = []
+    recover = controller.recovery.recover
+    controller.recovery.recover = lambda *args: (seen.append(controller.state), recover(*args))[1]
+    assert controller.run() == WEIGHTS
+    events.close()
+    (state,) = seen
+    assert isinstance(state, RecoveringState) and [f.rank for f in state.failures] == [1] and state.lost is None
+    assert controller.state == FinishedState(WEIGHTS)
+
+    paused = RunEnd("paused", 2, time=123.0)
+    group = GrowingGroup([Poll(rows(1)), Poll(paused={0: paused}), Poll(paused={1: paused}),
+                          Poll(rows(3), done=True, result=WEIGHTS)])
+    settings = ControllerSettings(min_workers=2, max_workers=3, poll_interval_s=0, grow_check_s=0)
+    controller = Controller(group, settings, Records(hub=MetricsHub([]), events=EventLog(tmp_path / "e2.jsonl")))
+    reform = controller.former.reform
+    controller.former.reform = lambda plan: (seen.append(controller.state), reform(plan))[1]
+    assert controller.run() == WEIGHTS
+    assert isinstance(seen[-1], ResizingState) and seen[-1].paused_at == 123.0 and seen[-1].leaving == {}
 
 
 def test_a_recovery_in_two_attempts_counts_every_rank_it_left_behind(tmp_path):

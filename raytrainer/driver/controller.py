@@ -55,7 +55,6 @@ as a worker on a draining node, its replacement in its place (`slow_worker_repla
 
 from __future__ import annotations
 
-import enum
 import signal
 import time
 from dataclasses import dataclass, field
@@ -74,13 +73,56 @@ from .resizing import Resizing
 from .watchdog import Watchdog
 
 
-class State(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    RESIZING = "resizing"
-    FINISHED = "finished"
-    FAILED = "failed"
+# The run's states, each carrying what is true only in it (Ray Train v2's style). What
+# every state shares, the group as it stands, is the Formation.
+
+
+@dataclass(frozen=True)
+class StartingState:
+    """The group forms for the first time (or is taken over from a lost driver)."""
+
+
+@dataclass(frozen=True)
+class RunningState:
+    """Every worker trains; the controller polls, and watches hangs, drains, room and
+    slow workers."""
+
+
+@dataclass(frozen=True)
+class RecoveringState:
+    """A failure is being recovered from: these `failures`, ranks `lost` (None: the
+    failures say)."""
+
+    failures: tuple[Failure, ...]
+    lost: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ResizingState:
+    """Every worker paused at one step, `paused_at` (time.time()): the group re-forms with
+    the newcomers and without `leaving` (rank -> why)."""
+
+    paused_at: float
+    leaving: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FinishedState:
+    """Every worker finished: rank 0's `result` (RunEnd)."""
+
+    result: Any
+
+
+@dataclass(frozen=True)
+class FailedState:
+    """The run stopped on `error` (a signal's stop, or what the run raised); `gave_up`:
+    the failure policy's reason, where it gave up."""
+
+    error: BaseException
+    gave_up: str | None = None
+
+
+State = StartingState | RunningState | RecoveringState | ResizingState | FinishedState | FailedState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +188,7 @@ class Controller:
         self.events, self.progress = records.events, records.progress
         self.poll_interval_s, self.max_poll_s = settings.poll_interval_s, settings.max_poll_s
         self.callbacks, self.ctx = records.callbacks, records.context
-        self.state = State.STARTING
-        self.result: Any = None
+        self.state: State = StartingState()
         node_ip = self.formation.node_ip
         self.recorder = Recorder(records)
         self.watchdog = Watchdog(group, self.failure.step_timeout_s, lambda: self.ctx.run_dir, node_ip)
@@ -192,11 +233,10 @@ class Controller:
                         **({"max_workers": self.max_workers} if self.max_workers > self.size else {}))
         try:
             self._start(t0)
-            while self.state is State.RUNNING:
+            while isinstance(self.state, RunningState):
                 poll = self._poll()
                 if poll.done:
-                    self.result = poll.result
-                    self.state = State.FINISHED
+                    self.state = FinishedState(poll.result)
                 elif poll.failures:
                     self._recover(poll.failures)
                 elif hung := self._hung():
@@ -214,18 +254,17 @@ class Controller:
                     self._watch_drains()
                     self._move_stragglers()
                     self._look_for_room()
-            self._finish(t0)
-            return self.result
-        except Stopped:
-            self.state = State.FAILED
+            return self._finish(t0)
+        except Stopped as exc:
+            self.state = FailedState(exc)
             raise
         except BaseException as exc:
-            self.state = State.FAILED
-            gave_up = self.recovery.gave_up
+            self.state = FailedState(exc, self.recovery.gave_up)
+            gave_up = self.state.gave_up
             self.events.log("failed", step=self.step, **_describe(exc), **({"reason": gave_up} if gave_up else {}))
             raise
         finally:
-            self.group.shutdown(keep=self.state is State.FINISHED)
+            self.group.shutdown(keep=isinstance(self.state, FinishedState))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,16 +277,21 @@ class Controller:
                 self.former.form(self.resume, t0, first=True)
         except ReformFailed as exc:  # a worker lost while the group first formed
             self._recover(exc.failures, lost=exc.dead)
-        self.state = State.RUNNING
+        if not isinstance(self.state, FinishedState):  # a recovery as it started can find training over
+            self.state = RunningState()
         self.callbacks("on_run_start", self.ctx)
         self.callbacks("on_epoch_start", self.ctx)
 
-    def _finish(self, t0: float) -> None:
-        """Every worker finished: the last callbacks, and the `finished` event."""
+    def _finish(self, t0: float) -> Any:
+        """Every worker finished: the last callbacks, and the `finished` event; rank 0's
+        result."""
+        assert isinstance(self.state, FinishedState)
+        result = self.state.result
         self.callbacks("on_epoch_end", self.ctx)
         self.callbacks("on_run_end", self.ctx)
         self.events.log("finished", step=self.step, seconds=round(time.monotonic() - t0, 3),
-                        reason=self.result.stop_reason)
+                        reason=result.stop_reason)
+        return result
 
     def _stop(self) -> None:
         """Every worker paused for a stop: commit a checkpoint of that step, say so, raise
@@ -279,7 +323,7 @@ class Controller:
         return poll
 
     def _poll_wait(self) -> float:
-        if self.state is not State.RUNNING:  # recovering, resizing: every moment counts
+        if not isinstance(self.state, RunningState):  # recovering, resizing: every moment counts
             return self.poll_interval_s
         due = [self.drains.checked_at + self.drains.check_s]
         if self.failure.step_timeout_s is not None:
@@ -297,19 +341,16 @@ class Controller:
             self.recorder.write(rows)
 
     def _hung(self) -> list[Failure]:
-        return self.watchdog.hung(self.step, recovering=self.state is State.RECOVERING)
+        return self.watchdog.hung(self.step, recovering=isinstance(self.state, RecoveringState))
 
     # ------------------------------------------------------------------ failures and resizes
 
     def _recover(self, failures: list[Failure], lost: list[int] | None = None) -> None:
         """Recover from `failures` (recovery.py) and go on training, or finish where training
         was over as the workers stopped."""
-        self.state = State.RECOVERING
+        self.state = RecoveringState(tuple(failures), None if lost is None else tuple(lost))
         end = self.recovery.recover(failures, lost)
-        if end is None:
-            self.state = State.RUNNING
-        else:
-            self.result, self.state = end, State.FINISHED
+        self.state = RunningState() if end is None else FinishedState(end)
 
     def _pause(self) -> None:
         """Ask every worker to pause at a step boundary they agree on."""
@@ -351,10 +392,10 @@ class Controller:
     def _resize(self) -> None:
         """Every worker paused at the same step: re-form with the newcomers, and without
         the workers leaving a draining node."""
-        self.state = State.RESIZING
         formation = self.formation
-        paused_at = min(end.time for end in formation.paused.values())
-        old_world, leaving, old_nodes = formation.size, formation.leaving, formation.nodes
+        self.state = ResizingState(min(end.time for end in formation.paused.values()), dict(formation.leaving))
+        paused_at, leaving = self.state.paused_at, formation.leaving
+        old_world, old_nodes = formation.size, formation.nodes
         try:
             if formation.replicated:
                 reformed = self.former.reform(ReformPlan(leave=sorted(leaving)))
@@ -370,7 +411,7 @@ class Controller:
         self.resizing.resized(old_world, formation.size, old_nodes, leaving, reformed,
                               seconds=round(time.time() - paused_at, 3))
         self.resizing.note_size(formation.size)
-        self.state = State.RUNNING
+        self.state = RunningState()
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
