@@ -119,6 +119,7 @@ from raytrainer.worker.loop import compiling
 from raytrainer.worker import _internals
 config = load_config(json.loads(sys.argv[1]))
 compiling.use_run_cache(config)
+_internals.import_inductor()  # as a worker does before it loads (which makes the directory, empty)
 loaded = compiling.load_run_artifacts(config)
 import torch
 torch.manual_seed(0)

@@ -73,14 +73,15 @@ def artifacts_rel(run: RunConfig) -> str:
 
 
 def load_run_artifacts(config: Config) -> int:
-    """The first worker of the run on this node (the node's run directory of compiled
-    artifacts not there yet): what the run's workers compiled elsewhere, taken into torch's
-    caches here before anything compiles. Returns how many artifacts were loaded (0: none
-    written yet, a peer on this node already here, or compile off)."""
+    """The first worker of the run on this node (no graph in the node's run directory yet):
+    what the run's workers compiled elsewhere, taken into torch's caches here before
+    anything compiles. Returns how many artifacts were loaded (0: none written yet, a peer
+    on this node compiled or loaded already, or compile off)."""
     global _loaded
     if config.trainer.compile is None or os.environ.get(CACHE_ENV) != str(run_cache_dir(config)):
         return 0  # off, or a cache directory the user set, whose contents are theirs
-    if run_cache_dir(config).exists():
+    graphs = run_cache_dir(config) / "fxgraph"  # not the directory: importing inductor makes it, empty
+    if graphs.is_dir() and any(graphs.iterdir()):
         return 0
     from ...checkpoint import Storage
 
