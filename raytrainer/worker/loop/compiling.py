@@ -16,7 +16,7 @@ generation and C++ (or Triton) build, the bulk of a compile; dynamo's trace of t
 Python remains.
 
 Across nodes, the run directory carries them: rank 0, after a group's first compiled step
-in which its process built graphs, writes torch's cache artifacts of all it compiled
+in which its process compiled graphs (built, or taken from the node's cache), writes torch's cache artifacts of all it compiled
 (torch.compiler.save_cache_artifacts) to `<run dir>/compiled/torch-<version>.bin`; the
 first worker of the run on a node (the node's directory not there yet) loads them into its
 caches before it compiles (load_cache_artifacts), so a worker on a new node, or a rerun's
@@ -103,7 +103,7 @@ def load_run_artifacts(config: Config) -> int:
 def share_run_artifacts(run: RunConfig) -> int:
     """torch's cache artifacts of everything this process compiled, written to the run
     directory for the workers of other nodes and a rerun (rank 0, after a group's first
-    compiled step in which it built graphs). Returns the bytes written; 0 where there was
+    compiled step in which it compiled graphs). Returns the bytes written; 0 where there was
     nothing, or storage refused (the others then compile themselves, as without it)."""
     import torch
 

@@ -233,8 +233,9 @@ class Loop:
         with self.in_phase("collective"):
             event = compile_report(self.step, self._step_seconds, self.device, self.world_size, self._graphs_at_join)
         if self.rank == 0:
-            mine = event["workers"][0]
-            if mine["new_graphs"] and (mine["fx_cache_misses"] or mine["aot_cache_misses"]):  # built, not found
+            # Whether built here or taken from the node's cache (a peer on the node may have
+            # built a graph first), what this process compiled is what the others lack.
+            if event["workers"][0]["new_graphs"]:
                 event["shared_bytes"] = self._share_compiled()
             self.notify(event)
 

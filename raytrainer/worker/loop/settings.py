@@ -60,4 +60,4 @@ class Outlets:
     snapshots: PeerSnapshots | None = None
     share_compiled: Callable[[], int] = field(default=lambda: 0)
     """trainer.compile: what this process compiled, put where the run's workers on other
-    nodes find it (rank 0, once it built graphs; compiling.share_run_artifacts); the bytes."""
+    nodes find it (rank 0, once it compiled graphs; compiling.share_run_artifacts); the bytes."""
